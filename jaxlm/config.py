@@ -1,0 +1,207 @@
+"""Model configuration: a frozen dataclass whose fields are Hugging Face `config.json` keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from jaxlm.errors import LoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in `rope_scaling` / `rope_parameters` of `config.json`."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Configuration of a Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3).
+
+    Field names are the keys of a Hugging Face `config.json`. Build one with `from_hf_config`.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LoadError(f"`{name}` must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise LoadError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
+                f"`num_key_value_heads` ({self.num_key_value_heads})"
+            )
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build a config from a Hugging Face `config.json` dict; unknown keys are ignored.
+
+        Accepts both shapes of RoPE settings: top-level `rope_theta` / `rope_scaling` (checkpoints
+        made before transformers 5) and `rope_parameters` (transformers 5).
+
+        Example:
+            >>> ModelConfig.from_hf_config({"model_type": "llama", "vocab_size": 32, ...})
+        """
+        if not isinstance(config, dict):
+            raise LoadError(f"a model config must be a JSON object, got {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise LoadError(
+                f"unsupported `model_type` {model_type!r}; jaxlm supports "
+                + ", ".join(f"`{t}`" for t in SUPPORTED_MODEL_TYPES)
+            )
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise LoadError("the model config lacks " + ", ".join(f"`{k}`" for k in missing))
+        if config.get("hidden_act", "silu") != "silu":
+            raise LoadError(f"unsupported `hidden_act` {config['hidden_act']!r}; only `silu`")
+        if config.get("pretraining_tp", 1) != 1:
+            raise LoadError("`pretraining_tp` other than 1 is not supported")
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or _int_div(config["hidden_size"], heads, "hidden_size")
+        rope_theta, scaling = _rope_settings(config)
+        if model_type == "qwen2" and config.get("use_sliding_window"):
+            raise LoadError("Qwen2 `use_sliding_window` is not supported")
+        if model_type == "qwen3" and config.get("use_sliding_window"):
+            raise LoadError("Qwen3 `use_sliding_window` is not supported")
+        sliding_window = config.get("sliding_window") if model_type == "mistral" else None
+        eos = config.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read a `config.json` file."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise LoadError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_hf_config(data)
+        except LoadError as e:
+            raise LoadError(f"{path}: {e}") from None
+
+    def num_parameters(self) -> int:
+        """The parameter count computed from the config, as model cards publish it."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * d
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + head
+
+
+def _int_div(a: int, b: int, name: str) -> int:
+    if a % b:
+        raise LoadError(f"`{name}` ({a}) is not divisible by `num_attention_heads` ({b})")
+    return a // b
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LoadError(f"`{name}` must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" not in params and "rope_type" not in params:
+        raise LoadError("per-layer-type `rope_parameters` are not supported")
+    params = dict(params or config.get("rope_scaling") or {})
+    theta = _number(params.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise LoadError(
+            f"unsupported RoPE scaling type {rope_type!r}; jaxlm supports "
+            + ", ".join(f"`{t}`" for t in SUPPORTED_ROPE_TYPES)
+        )
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if "factor" not in params:
+        raise LoadError(f"RoPE scaling `{rope_type}` needs a `factor`")
+    scaling = RopeScaling(
+        rope_type=rope_type,
+        factor=_number(params["factor"], "factor"),
+        low_freq_factor=_number(params.get("low_freq_factor", 1.0), "low_freq_factor"),
+        high_freq_factor=_number(params.get("high_freq_factor", 4.0), "high_freq_factor"),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+    )
+    if rope_type == "llama3" and scaling.original_max_position_embeddings is None:
+        raise LoadError("RoPE scaling `llama3` needs `original_max_position_embeddings`")
+    return theta, scaling

@@ -1,0 +1,134 @@
+"""Building blocks shared by the decoders: linear layers, RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Weights keep the Hugging Face layout (`[out, in]` for linear layers) so checkpoints load by name
+without transposes. Activations flow in float32; a matmul casts its input to the weight dtype
+and accumulates in float32 (`preferred_element_type`), which runs natively in bfloat16 on CPUs
+with bf16 instructions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm.config import ModelConfig
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """`y = x @ weight.T + bias` with `weight` of shape `[out, in]` (the PyTorch layout)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        y = jax.lax.dot_general(
+            x.astype(w.dtype),
+            w,
+            (((x.ndim - 1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y
+
+
+class Embedding(nnx.Module):
+    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (num_embeddings, features), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits against the embedding matrix (tied LM head)."""
+        w = self.weight[...]
+        return jax.lax.dot_general(
+            x.astype(w.dtype),
+            w,
+            (((x.ndim - 1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, features: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((features,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * self.weight[...].astype(jnp.float32)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, h, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies `[head_dim // 2]` of the rotary embedding, with static scaling applied.
+
+    Dynamic NTK scaling depends on the sequence length and is applied in `rope_cos_sin`.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    scaling = config.rope_scaling
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`cos` and `sin` of the rotary angles for `positions` `[B, T]`, each `[B, T, head_dim]`."""
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    scaling = config.rope_scaling
+    if scaling.rope_type == "dynamic":
+        # Dynamic NTK: the base grows with the longest position of the call, as transformers does.
+        d = config.head_dim
+        max_len = config.max_position_embeddings
+        seq_len = jnp.maximum(jnp.max(positions) + 1, max_len).astype(jnp.float32)
+        base = config.rope_theta * (scaling.factor * seq_len / max_len - (scaling.factor - 1)) ** (
+            d / (d - 2)
+        )
+        inv_freq = 1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, head_dim // 2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate `x` `[B, T, heads, head_dim]` (the rotate-half convention of Hugging Face)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

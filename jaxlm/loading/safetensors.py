@@ -1,0 +1,74 @@
+"""Hugging Face model directories: `config.json`, safetensors weights, tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+from safetensors import SafetensorError, safe_open
+
+from jaxlm.errors import LoadError
+from jaxlm.tokenizer import Tokenizer
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path}: not valid JSON ({e})") from None
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory, read tensor by tensor."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._handles: dict[Path, object] = {}
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{self.path}: no `config.json` in this model directory")
+        self.config = _read_json(config_file)
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = _read_json(index_file).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise LoadError(f"{index_file}: no `weight_map`")
+            self._files = {name: self.path / file for name, file in weight_map.items()}
+        elif (self.path / "model.safetensors").is_file():
+            file = self.path / "model.safetensors"
+            self._files = {name: file for name in self._handle(file).keys()}  # noqa: SIM118
+        else:
+            raise FileNotFoundError(
+                f"{self.path}: no `model.safetensors` or `model.safetensors.index.json`"
+            )
+        eos = self.config.get("eos_token_id")
+        generation_file = self.path / "generation_config.json"
+        if generation_file.is_file():
+            eos = _read_json(generation_file).get("eos_token_id", eos)
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        self.tokenizer = Tokenizer.from_hf_dir(self.path, eos_token_ids=eos)
+
+    def _handle(self, file: Path):
+        handle = self._handles.get(file)
+        if handle is None:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: weights file named in the index is missing")
+            try:
+                handle = self._handles[file] = safe_open(str(file), framework="flax")
+            except SafetensorError as e:
+                raise LoadError(f"{file}: not a valid safetensors file ({e})") from None
+        return handle
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str) -> jax.Array:
+        file = self._files[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except SafetensorError as e:
+            raise LoadError(f"{file}: cannot read tensor `{name}` ({e})") from None

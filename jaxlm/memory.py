@@ -1,0 +1,249 @@
+"""The static memory plan: declared scratch, its layout, and the whole bill before allocation.
+
+Modules declare the scratch they need in `__init__` as `ScratchSpec`s: shapes that may name the
+plan dimensions `"batch"` and `"seq"`, a dtype, and logical sharding axes. A spec is a static
+attribute of the module, so it allocates nothing and an abstract model (`nnx.eval_shape`)
+declares exactly the same scratch. `jaxlm.plan` collects the specs, binds the dimensions, lays
+the slots out, compiles the step functions and reads XLA's memory analysis, so the whole bill
+(weights + scratch + XLA temporaries) is known before any scratch exists.
+
+Layout: one array per slot. Measured on XLA:CPU (`shared/research/jax-on-cpu`, Q5), one array
+per layer, a flat arena per dtype and stacked `[layers, ...]` arrays carried through `scan` all
+update in place with the same decode time once bf16 caches are stored as uint16 bits and each
+step writes before it reads. Stacking only pays under `scan`, and `scan` over stacked weights
+decoded 1.5x slower here (XLA copies each layer's weight slice before the dot), so the layers
+are unrolled and the arena would add offsets without saving a byte or a copy. Separate arrays
+also shard independently (per-slot `axes`) and show up one by one in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm.errors import PlanError
+
+PLAN_DIMS = ("batch", "seq")
+# XLA:CPU aligns every buffer to 64 bytes; each slot is its own buffer, so offsets are all 0.
+ALIGNMENT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchSpec:
+    """An abstract declaration of scratch state: nothing is allocated.
+
+    `shape` entries are ints or plan dimension names (`"batch"`, `"seq"`); `axes` names the
+    logical sharding axis of each dimension (or `None`); `persistent` slots carry state across
+    calls (caches, positions), the others only within one call.
+    """
+
+    shape: tuple[int | str, ...]
+    dtype: Any
+    axes: tuple[str | None, ...] = ()
+    persistent: bool = True
+    doc: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(self.shape))
+        axes = tuple(self.axes) or (None,) * len(self.shape)
+        if len(axes) != len(self.shape):
+            raise ValueError(f"`axes` {axes} do not match `shape` {self.shape}")
+        object.__setattr__(self, "axes", axes)
+        for d in self.shape:
+            if isinstance(d, str) and d not in PLAN_DIMS:
+                raise ValueError(f"unknown plan dimension {d!r}; use one of {PLAN_DIMS}")
+
+    def replace(self, **changes) -> ScratchSpec:
+        return dataclasses.replace(self, **changes)
+
+    def bind(self, dims: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
+
+
+def storage_dtype(dtype: np.dtype, platform: str) -> np.dtype:
+    """The dtype a slot is stored in on `platform`.
+
+    XLA:CPU rewrites a bf16 `dynamic_update_slice` into a convert of the whole buffer to f32 and
+    back (47 ms per step for a 128 MiB cache, research Q1e); the same bits stored as uint16 are
+    updated in place. `write_cache` and `read_cache` convert at the edges, bit-exactly.
+    """
+    if platform == "cpu" and dtype == jnp.bfloat16:
+        return np.dtype(np.uint16)
+    return np.dtype(dtype)
+
+
+def write_cache(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """Write `new` into `buf` at `index` along `axis` (in place when `buf` is donated)."""
+    if buf.dtype == jnp.uint16:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    start = [0] * buf.ndim
+    start[axis] = index
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+
+
+def read_cache(buf: jax.Array) -> jax.Array:
+    """The cache values of `buf`, undoing the uint16 storage of bfloat16."""
+    if buf.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(buf, jnp.bfloat16)
+    return buf
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A declared scratch slot bound to a plan: where it lives and what it costs."""
+
+    path: tuple[str | int, ...]
+    spec: ScratchSpec
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def owner(self) -> str:
+        return ".".join(str(p) for p in self.path[:-1])
+
+    @property
+    def name(self) -> str:
+        return str(self.path[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def declarations(module: nnx.Module, prefix: tuple = ()) -> Iterator[tuple[tuple, ScratchSpec]]:
+    """Every `ScratchSpec` declared in the module tree, with its path in the scratch tree."""
+    for path, sub in nnx.iter_modules(module):
+        for name, value in sorted(vars(sub).items()):
+            if isinstance(value, ScratchSpec):
+                yield (*prefix, *path, name), value
+
+
+def _set_path(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The declared slots bound to plan dimensions, one array each."""
+
+    slots: tuple[Slot, ...]
+    dims: Mapping[str, int]
+
+    @classmethod
+    def build(cls, decls, dims: Mapping[str, int], platform: str) -> Layout:
+        slots = tuple(
+            Slot(path, spec, spec.bind(dims), storage_dtype(spec.dtype, platform))
+            for path, spec in decls
+        )
+        return cls(slots, dict(dims))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def tree(self, leaf) -> dict:
+        tree: dict = {}
+        for slot in self.slots:
+            _set_path(tree, slot.path, leaf(slot))
+        return tree
+
+    def abstract(self) -> dict:
+        """The scratch tree as `jax.ShapeDtypeStruct`s (allocates nothing)."""
+        return self.tree(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype))
+
+    def allocate(self) -> dict:
+        """The scratch tree, zero-filled: the only allocation of scratch a plan makes."""
+        return self.tree(lambda s: jnp.zeros(s.shape, s.dtype))
+
+    def check(self, scratch) -> None:
+        """Raise if `scratch` is not a live scratch tree of this layout."""
+        expected = self.abstract()
+        got_def = jax.tree.structure(scratch)
+        if got_def != jax.tree.structure(expected):
+            raise PlanError("`scratch` does not belong to this plan (its slots differ)")
+        for slot, want, have in zip(
+            self.slots, jax.tree.leaves(expected), jax.tree.leaves(scratch), strict=True
+        ):
+            if tuple(have.shape) != want.shape or have.dtype != want.dtype:
+                raise PlanError(
+                    f"`scratch` does not belong to this plan: slot `{slot.owner}.{slot.name}` "
+                    f"is {have.dtype}{list(have.shape)}, "
+                    f"the plan has {want.dtype}{list(want.shape)}"
+                )
+            if isinstance(have, jax.Array) and have.is_deleted():
+                raise PlanError(
+                    f"`scratch` slot `{slot.owner}.{slot.name}` was donated to an earlier step; "
+                    "use the scratch that step returned"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutableMemory:
+    """XLA's memory analysis of one compiled step, in bytes."""
+
+    name: str
+    argument: int
+    output: int
+    alias: int
+    temp: int
+
+    @classmethod
+    def of(cls, name: str, compiled) -> ExecutableMemory:
+        m = compiled.memory_analysis()
+        return cls(
+            name,
+            int(m.argument_size_in_bytes),
+            int(m.output_size_in_bytes),
+            int(m.alias_size_in_bytes),
+            int(m.temp_size_in_bytes),
+        )
+
+    @property
+    def peak(self) -> int:
+        # XLA:CPU's `peak_memory_in_bytes` leaves out temporaries (research Q2), so the peak of
+        # an executable is computed from its parts.
+        return self.argument + self.output - self.alias + self.temp
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_UNITS.update({"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12})
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """Bytes from an int or a string such as `"1.5GiB"`, `"800MB"` or `"2e9"`."""
+    if isinstance(size, bool):
+        raise ValueError(f"`budget` must be a number of bytes or a size string, got {size!r}")
+    if isinstance(size, int | float):
+        value = float(size)
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(size))
+        unit = match and _UNITS.get(match.group(2).lower())
+        if not match or unit is None:
+            raise ValueError(
+                f"`budget` {size!r} is not a size; write bytes or e.g. '1.5GiB', '800MB'"
+            )
+        try:
+            value = float(match.group(1)) * unit
+        except ValueError:
+            raise ValueError(f"`budget` {size!r} is not a size") from None
+    if not np.isfinite(value) or value <= 0:
+        raise ValueError(f"`budget` must be positive, got {size!r}")
+    return int(value)
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

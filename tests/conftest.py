@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random-weight Hugging Face models saved with `save_pretrained`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+BASE = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+# Each family: (transformers config class, model class, config overrides).
+FAMILIES = {
+    "llama_gqa4": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_gqa3_tied_linear": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            hidden_size=48,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+        ),
+    ),
+    "llama_dynamic": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            max_position_embeddings=8,
+            rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0},
+        ),
+    ),
+    "llama3_scaling": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 50000.0,
+            }
+        ),
+    ),
+    "llama_biases": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(attention_bias=True, mlp_bias=True, num_key_value_heads=8),
+    ),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+}
+
+
+def make_hf_model(path: Path, family: str, dtype=torch.float32, seed: int = 0, **save_kwargs):
+    """Save a random tiny model of `family` to `path`.
+
+    Returns the reference: transformers' model loaded back from `path` in float32.
+    """
+    config_cls, model_cls, overrides = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    # Random init gives norms of exactly 1 and biases of 0; perturb them so they are tested too.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(path, **save_kwargs)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def padded_batch(vocab: int, lengths: list[int], side: str, seed: int = 0):
+    """Random ids `[batch, max_len]`, a mask with each row's real tokens on one side, positions."""
+    rng = np.random.default_rng(seed)
+    t = max(lengths)
+    ids = rng.integers(0, vocab, (len(lengths), t))
+    mask = np.zeros((len(lengths), t), np.int64)
+    for i, n in enumerate(lengths):
+        if side == "left":
+            mask[i, t - n :] = 1
+        else:
+            mask[i, :n] = 1
+    positions = np.maximum(mask.cumsum(1) - 1, 0)
+    return ids, mask, positions
+
+
+def hf_logits(model, ids, mask, positions) -> np.ndarray:
+    with torch.no_grad():
+        out = model(
+            torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+        )
+    return out.logits.float().numpy()
+
+
+def rewrite_config(path: Path, **changes) -> None:
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    config.update(changes)
+    file.write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A saved tiny Llama (GQA 4:1) directory and its transformers model."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, make_hf_model(path, "llama_gqa4")

@@ -1,0 +1,287 @@
+"""Parity with transformers on tiny random models, parameter counts, and loading errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import FAMILIES, hf_logits, make_hf_model, padded_batch, rewrite_config
+from flax import nnx
+
+import jaxlm
+from jaxlm import LlamaForCausalLM, ModelConfig
+
+LENGTHS = [9, 4, 6]
+
+
+def assert_parity(model, hf, side, atol=1e-4, lengths=LENGTHS):
+    ids, mask, positions = padded_batch(hf.config.vocab_size, lengths, side)
+    ref = hf_logits(hf, ids, mask, positions)
+    out = np.asarray(model(ids, attention_mask=mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(out[real], ref[real], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_logits_equal_transformers(tmp_path, family, side):
+    hf = make_hf_model(tmp_path, family)
+    model, tokenizer = jaxlm.load(tmp_path)
+    assert tokenizer is None
+    assert_parity(model, hf, side)
+
+
+def test_dynamic_rope_beyond_the_trained_length(tmp_path):
+    # `max_position_embeddings` is 8, so a 20-token batch exercises the NTK base change.
+    hf = make_hf_model(tmp_path, "llama_dynamic")
+    model, _ = jaxlm.load(tmp_path)
+    assert_parity(model, hf, "right", lengths=[20, 11, 3])
+
+
+def test_sliding_window_masks_old_tokens(tmp_path):
+    hf = make_hf_model(tmp_path, "mistral_window")
+    model, _ = jaxlm.load(tmp_path)
+    assert model.config.sliding_window == 4
+    assert_parity(model, hf, "left", lengths=[12, 7, 5])
+
+
+def test_old_style_rope_config(tmp_path):
+    # Checkpoints made before transformers 5 carry top-level `rope_theta` and `rope_scaling`.
+    hf = make_hf_model(tmp_path, "llama3_scaling")
+    config = json.loads((tmp_path / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = {**params, "type": params.pop("rope_type")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, _ = jaxlm.load(tmp_path)
+    assert model.config.rope_scaling.rope_type == "llama3"
+    assert model.config.rope_theta == 50000.0
+    assert_parity(model, hf, "left")
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = make_hf_model(tmp_path, "llama_gqa4", max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    model, _ = jaxlm.load(tmp_path)
+    assert_parity(model, hf, "left")
+
+
+def test_bf16_checkpoint_loaded_as_float32(tmp_path):
+    hf = make_hf_model(tmp_path, "qwen3", dtype=torch.bfloat16)
+    model, _ = jaxlm.load(tmp_path, dtype=jnp.float32)
+    assert_parity(model, hf, "right")
+
+
+def test_bfloat16_model(tmp_path):
+    hf = make_hf_model(tmp_path, "llama_gqa4", dtype=torch.bfloat16)
+    model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == jnp.bfloat16
+    # The weights are exact (bf16 in both); jaxlm rounds each matmul's input to bf16 and
+    # accumulates in f32, so each of the ~8 matmuls on a logit's path adds a relative error of
+    # at most 2**-8 on activations of order 1; logits of these tiny models are of order 0.1-1.
+    # 3e-2 is about four times that worst-case bound summed, and 100x below a wrong model.
+    ids, mask, positions = padded_batch(hf.config.vocab_size, LENGTHS, "left")
+    ref = hf_logits(hf, ids, mask, positions)
+    out = np.asarray(model(ids, attention_mask=mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(out[real], ref[real], atol=3e-2, rtol=0)
+    assert np.abs(ref[real]).max() > 0.3
+
+
+def test_positions_default_to_each_rows_first_token(tiny_llama):
+    path, hf = tiny_llama
+    model, _ = jaxlm.load(path)
+    ids, mask, positions = padded_batch(hf.config.vocab_size, LENGTHS, "left")
+    explicit = model(ids, positions=positions, attention_mask=mask)
+    default = model(ids, attention_mask=mask)
+    np.testing.assert_array_equal(np.asarray(explicit), np.asarray(default))
+
+
+FULL_SIZE = {
+    # Published parameter counts (model cards / safetensors metadata on the Hub).
+    "Llama-3.1-8B": (
+        8_030_261_248,
+        dict(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            max_position_embeddings=131072,
+        ),
+    ),
+    "Qwen2.5-7B": (
+        7_615_616_512,
+        dict(
+            model_type="qwen2",
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "Qwen3-8B": (
+        8_190_735_360,
+        dict(
+            model_type="qwen3",
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "SmolLM2-135M": (
+        134_515_008,
+        dict(
+            model_type="llama",
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE))
+def test_full_size_parameter_counts_without_allocating(name):
+    published, hf_config = FULL_SIZE[name]
+    config = ModelConfig.from_hf_config(hf_config)
+    live_before = len(jax.live_arrays())
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16))
+    leaves = jax.tree.leaves(nnx.state(abstract))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(x.size for x in leaves) == published
+    assert config.num_parameters() == published
+    assert len(jax.live_arrays()) == live_before
+
+
+# Bad input.
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        jaxlm.load(tmp_path)
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError, match="no-such-dir"):
+        jaxlm.load("/no-such-dir")
+
+
+def test_corrupt_safetensors(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(jaxlm.LoadError, match=r"model\.safetensors"):
+        jaxlm.load(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1000])
+    with pytest.raises(jaxlm.LoadError, match=r"model\.safetensors"):
+        jaxlm.load(tmp_path)
+
+
+def test_missing_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model(tmp_path, "llama_gqa4")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(jaxlm.LoadError, match=r"`model\.layers\.1\.mlp\.up_proj\.weight`"):
+        jaxlm.load(tmp_path)
+
+
+def test_unexpected_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model(tmp_path, "llama_gqa4")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(jaxlm.LoadError, match=r"unexpected tensors `model\.extra\.weight`"):
+        jaxlm.load(tmp_path)
+
+
+def test_shape_mismatch(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model(tmp_path, "llama_gqa4")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = torch.zeros(3)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(jaxlm.LoadError, match=r"`model\.norm\.weight` has shape \[3\]"):
+        jaxlm.load(tmp_path)
+
+
+def test_unsupported_model_type(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    rewrite_config(tmp_path, model_type="gpt2")
+    with pytest.raises(jaxlm.LoadError, match=r"unsupported `model_type` 'gpt2'"):
+        jaxlm.load(tmp_path)
+
+
+def test_config_with_wrong_types(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    rewrite_config(tmp_path, hidden_size="64")
+    with pytest.raises(jaxlm.LoadError, match="`hidden_size` must be a positive integer"):
+        jaxlm.load(tmp_path)
+
+
+def test_config_missing_keys(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jaxlm.LoadError, match="lacks `num_hidden_layers`"):
+        jaxlm.load(tmp_path)
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(jaxlm.LoadError, match="unsupported RoPE scaling type 'yarn'"):
+        ModelConfig.from_hf_config(
+            dict(FULL_SIZE["SmolLM2-135M"][1], rope_scaling={"rope_type": "yarn", "factor": 4.0})
+        )
+
+
+def test_unsupported_activation():
+    with pytest.raises(jaxlm.LoadError, match="`hidden_act`"):
+        ModelConfig.from_hf_config(dict(FULL_SIZE["SmolLM2-135M"][1], hidden_act="gelu"))
+
+
+def test_bad_dtype(tiny_llama):
+    with pytest.raises(ValueError, match="`dtype`"):
+        jaxlm.load(tiny_llama[0], dtype=jnp.int8)
