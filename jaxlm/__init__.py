@@ -1,10 +1,19 @@
-"""jaxlm: Llama-family language models in JAX and Flax NNX, with a static memory plan."""
+"""jaxlm: Llama-family language models in JAX and Flax NNX, with a static memory plan.
+
+Example:
+    >>> import jaxlm
+    >>> model, tokenizer = jaxlm.load()
+    >>> out = jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16)
+    >>> out.texts[0]
+"""
 
 from jaxlm.config import ModelConfig
+from jaxlm.engine import plan
 from jaxlm.errors import JaxlmError, LoadError, PlanError
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.llama import LlamaForCausalLM
+from jaxlm.planner import Plan
 from jaxlm.tokenizer import Tokenizer
 
 __all__ = [
@@ -12,8 +21,10 @@ __all__ = [
     "LlamaForCausalLM",
     "LoadError",
     "ModelConfig",
+    "Plan",
     "PlanError",
     "ScratchSpec",
     "Tokenizer",
     "load",
+    "plan",
 ]

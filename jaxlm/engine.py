@@ -1,0 +1,301 @@
+"""The jitted steps over donated scratch, and `plan`, which accounts for them before allocating.
+
+Every step is `step(params, scratch, inputs) -> scratch (, outputs)` with `scratch` donated: XLA
+writes the caches and the decode state in place and returns the same buffers. The functions
+close over the model's graph definition and merge it with the parameters inside the trace,
+which costs about 16 us per call (`nnx.jit` in graph mode costs about 300 us and copies every
+variable; research Q4c).
+
+The generation loop keeps its state in the `"decode"` part of the scratch:
+- `tokens[b, s]` is the token at cache slot `s` of row `b`. Prompts are left-padded to a shared
+  length `P`, so every row writes the same slot each step and the cache update is a single
+  `dynamic_update_slice`. Generated tokens go to slots `P, P + 1, ...`.
+- The token at slot `cache_index` has been sampled but not yet fed to the model.
+- `num_generated[b]` counts the tokens of row `b` before its first stop token; `done[b]` is set
+  once a stop token is sampled.
+- `rng[b]` is row `b`'s key; the key of its `n`-th token is `fold_in(rng[b], n)`, so a row's
+  samples depend neither on the other rows nor on how a stream is cut into chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm import sampling
+from jaxlm.errors import PlanError
+from jaxlm.memory import (
+    Layout,
+    ScratchSpec,
+    declarations,
+    parse_bytes,
+    write_cache,
+)
+
+PAGE = 256
+DEFAULT_PREFILL_CHUNK = 512
+STOP_IDS_BUCKET = 8
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+class DecodeState(nnx.Module):
+    """The generation loop's own scratch, declared like the model's caches."""
+
+    def __init__(self):
+        self.tokens = ScratchSpec(
+            ("batch", "seq"), jnp.int32, axes=("batch", None), doc="token at each cache slot"
+        )
+        self.rng = ScratchSpec(("batch", 2), jnp.uint32, axes=("batch", None), doc="PRNG key")
+        self.done = ScratchSpec(("batch",), jnp.bool_, axes=("batch",), doc="stop token seen")
+        self.num_generated = ScratchSpec(
+            ("batch",), jnp.int32, axes=("batch",), doc="tokens before the stop"
+        )
+        self.prompt_end = ScratchSpec((), jnp.int32, doc="slot of the first generated token")
+
+
+def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
+    """Reset the cache to the left-padded `prompt` [B, P] and run it in chunks of `chunk`."""
+    b, p = prompt.shape
+    m = scratch["model"]
+    m = {**m, "cache_index": jnp.int32(0), "cache_start": (p - lengths).astype(jnp.int32)}
+    state = {**scratch, "model": m}
+    n_chunks = p // chunk
+
+    def run(i, carry):
+        state, _ = carry
+        ids = jax.lax.dynamic_slice(prompt, (0, i * chunk), (b, chunk))
+        logits, state = model.forward_cached(ids, state, last_only=True)
+        return state, logits
+
+    logits0 = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    if n_chunks == 1:
+        return run(0, (state, logits0))
+    return jax.lax.fori_loop(0, n_chunks, run, (state, logits0))
+
+
+def _sample_next(scratch, logits, params, stop_ids):
+    """Sample the token after the cache's last slot and record it in the decode state."""
+    d = scratch["decode"]
+    m = scratch["model"]
+    index = m["cache_index"]
+    slots = jnp.arange(d["tokens"].shape[1])
+    seen = (slots[None, :] >= m["cache_start"][:, None]) & (slots[None, :] < index)
+    logits = sampling.apply_repetition_penalty(
+        logits, d["tokens"], seen, params["repetition_penalty"]
+    )
+    step = index - d["prompt_end"]
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(d["rng"], step)
+    token = sampling.sample(
+        logits, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
+    )
+    is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=1)
+    done = d["done"]
+    decode = {
+        **d,
+        "tokens": write_cache(d["tokens"], token[:, None], index, axis=1),
+        "num_generated": d["num_generated"] + (~done & ~is_stop),
+        "done": done | is_stop,
+    }
+    return {**scratch, "decode": decode}
+
+
+def start(model, scratch, prompt, lengths, rng, params, stop_ids, chunk):
+    """Prefill the prompts and sample each row's first token."""
+    scratch, logits = _reset_and_prefill(model, scratch, prompt, lengths, chunk)
+    b, p = prompt.shape
+    d = scratch["decode"]
+    tokens = jax.lax.dynamic_update_slice(d["tokens"], prompt, (0, 0))
+    d = {
+        **d,
+        "tokens": tokens,
+        "rng": rng,
+        "done": jnp.zeros((b,), bool),
+        "num_generated": jnp.zeros((b,), jnp.int32),
+        "prompt_end": jnp.int32(p),
+    }
+    return _sample_next({**scratch, "decode": d}, logits, params, stop_ids)
+
+
+def decode_loop(model, scratch, params, stop_ids, limit):
+    """Decode until every row is done or `limit` tokens have been sampled in all."""
+
+    def generated(s):
+        return s["model"]["cache_index"] - s["decode"]["prompt_end"] + 1
+
+    def cond(s):
+        return (generated(s) < limit) & ~jnp.all(s["decode"]["done"])
+
+    def body(s):
+        index = s["model"]["cache_index"]
+        token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], index, 1, axis=1)
+        logits, s = model.forward_cached(token, s, last_only=True)
+        return _sample_next(s, logits, params, stop_ids)
+
+    return jax.lax.while_loop(cond, body, scratch)
+
+
+class Engine:
+    """Jitted steps of one model; shared by every plan of that model."""
+
+    def __init__(self, model: nnx.Module):
+        self.graphdef, self.params = nnx.split(model)
+        self.config = model.config
+        self.dtype = model.dtype
+        self.decode_state = DecodeState()
+        graphdef = self.graphdef
+
+        def merged(fn):
+            @functools.wraps(fn)
+            def wrapper(params, scratch, *args, **kwargs):
+                return fn(nnx.merge(graphdef, params), scratch, *args, **kwargs)
+
+            return wrapper
+
+        jit = functools.partial(jax.jit, donate_argnums=1, keep_unused=True)
+        # `keep_unused` keeps donated slots that a step overwrites without reading them
+        # aliased to their outputs; otherwise JAX drops them and XLA allocates new buffers.
+        self.prefill_step = jit(merged(_prefill_step))
+        self.decode_step = jit(merged(_decode_step))
+        self.start = jit(merged(start), static_argnames="chunk")
+        self.decode_loop = jit(merged(decode_loop))
+        self.generate = jit(merged(_generate), static_argnames="chunk")
+        # Plans made by `generate` for requests without one, by bucketed shape.
+        self.plans: dict = {}
+
+    def declarations(self, model_module=None):
+        model = nnx.merge(self.graphdef, self.params) if model_module is None else model_module
+        return [*declarations(model), *declarations(self.decode_state, prefix=("decode",))]
+
+    def abstract_inputs(self, batch: int, prompt_len: int):
+        i32, f32 = jnp.int32, jnp.float32
+        sds = jax.ShapeDtypeStruct
+        params = {name: sds((batch,), i32 if name == "top_k" else f32) for name in SAMPLING_FIELDS}
+        return {
+            "prompt": sds((batch, prompt_len), i32),
+            "lengths": sds((batch,), i32),
+            "rng": sds((batch, 2), jnp.uint32),
+            "params": params,
+            "stop_ids": sds((STOP_IDS_BUCKET,), i32),
+            "limit": sds((), i32),
+        }
+
+
+def _prefill_step(model, scratch, prompt, lengths):
+    scratch, logits = _reset_and_prefill(model, scratch, prompt, lengths, prompt.shape[1])
+    return scratch, logits
+
+
+def _decode_step(model, scratch, tokens):
+    logits, scratch = model.forward_cached(tokens[:, None], scratch, last_only=True)
+    return scratch, logits
+
+
+def _generate(model, scratch, prompt, lengths, rng, params, stop_ids, limit, chunk):
+    scratch = start(model, scratch, prompt, lengths, rng, params, stop_ids, chunk)
+    return decode_loop(model, scratch, params, stop_ids, limit)
+
+
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_of(model: nnx.Module) -> Engine:
+    """The engine of `model`, made once per model object."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = _ENGINES[model] = Engine(model)
+    return engine
+
+
+def weights_bytes(model: nnx.Module) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+
+
+def plan(
+    model: nnx.Module,
+    *,
+    max_batch: int = 1,
+    max_seq_len: int | None = None,
+    budget: int | str | None = None,
+    prefill_chunk: int | None = None,
+):
+    """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing.
+
+    The plan compiles the generation steps for these shapes and reads XLA's memory analysis, so
+    `plan.total_bytes` is the whole bill: weights + scratch + XLA's temporaries. With `budget`
+    (bytes or a string like `"1.5GiB"`) and no `max_seq_len`, it picks the largest multiple of
+    256 tokens whose bill fits; with both, it raises `PlanError` if the bill exceeds the budget.
+    Works on abstract models (`nnx.eval_shape`) too.
+
+    Example:
+        >>> plan = jaxlm.plan(model, max_batch=4, max_seq_len=2048)
+        >>> print(plan)                  # slots, bytes, XLA temporaries, the whole bill
+        >>> scratch = plan.allocate()    # the one allocation of scratch
+    """
+    from jaxlm.planner import Plan
+
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"`max_batch` must be a positive integer, got {max_batch!r}")
+    limit = parse_bytes(budget) if budget is not None else None
+    if max_seq_len is None and limit is None:
+        raise ValueError("give `max_seq_len`, `budget`, or both")
+    engine = engine_of(model)
+
+    def make(seq: int) -> Plan:
+        chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
+        return Plan.build(engine, model, max_batch, seq, chunk, limit)
+
+    if max_seq_len is not None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
+        p = make(max_seq_len)
+        if limit is not None and p.total_bytes > limit:
+            raise PlanError(p.over_budget_message(limit, _fit(make, limit, engine.config)))
+        return p
+    best = _fit(make, limit, engine.config)
+    if best is None:
+        smallest = make(PAGE)
+        raise PlanError(smallest.over_budget_message(limit, None))
+    return best
+
+
+def _fit(make, limit: int, config) -> object | None:
+    """The plan with the most pages of 256 tokens whose bill fits `limit`, or None."""
+    hi = max(1, -(-config.max_position_embeddings // PAGE))
+    lo, best = 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = make(mid * PAGE)
+        if candidate.total_bytes <= limit:
+            best, lo = candidate, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def compile_steps(engine: Engine, layout: Layout, chunk: int) -> dict:
+    """Compile the steps a plan runs, for its shapes, without allocating anything."""
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), engine.params)
+    scratch = layout.abstract()
+    batch = layout.dims["batch"]
+    x = engine.abstract_inputs(batch, chunk)
+    gen = engine.generate.lower(
+        params,
+        scratch,
+        x["prompt"],
+        x["lengths"],
+        x["rng"],
+        x["params"],
+        x["stop_ids"],
+        x["limit"],
+        chunk=chunk,
+    ).compile()
+    loop = engine.decode_loop.lower(params, scratch, x["params"], x["stop_ids"], x["limit"])
+    return {"generate": gen, "decode": loop.compile()}
+
+
+def platform() -> str:
+    return jax.devices()[0].platform

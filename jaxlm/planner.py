@@ -1,0 +1,254 @@
+"""`Plan`: a model's scratch laid out and its whole memory bill, before anything is allocated."""
+
+from __future__ import annotations
+
+import html
+import threading
+
+import jax
+import numpy as np
+
+from jaxlm.engine import Engine, compile_steps, platform, weights_bytes
+from jaxlm.errors import PlanError
+from jaxlm.memory import ALIGNMENT, ExecutableMemory, Layout, format_bytes
+
+
+class Plan:
+    """The scratch of one model for `max_batch` rows of `max_seq_len` tokens, and its bill.
+
+    Attributes: `max_batch`, `max_seq_len`, `prefill_chunk`, `layout` (the slots),
+    `weights_bytes`, `scratch_bytes`, `compiled` (the compiled steps, by name), `executables`
+    (XLA's memory analysis of each), `temp_bytes` (the largest XLA temporaries) and
+    `total_bytes` (the whole bill: the peak of the most demanding step, weights and scratch
+    included).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        layout: Layout,
+        prefill_chunk: int,
+        weights: int,
+        compiled: dict,
+        budget: int | None,
+    ):
+        self.engine = engine
+        self.layout = layout
+        self.max_batch = layout.dims["batch"]
+        self.max_seq_len = layout.dims["seq"]
+        self.prefill_chunk = prefill_chunk
+        self.weights_bytes = weights
+        self.compiled = compiled
+        self.executables = {name: ExecutableMemory.of(name, c) for name, c in compiled.items()}
+        self.budget = budget
+        self._pool: list[dict] = []
+        self._pool_lock = threading.Lock()
+
+    @classmethod
+    def build(cls, engine, model, max_batch, max_seq_len, chunk, budget) -> Plan:
+        dims = {"batch": max_batch, "seq": max_seq_len}
+        layout = Layout.build(engine.declarations(model), dims, platform())
+        compiled = compile_steps(engine, layout, chunk)
+        return cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def temp_bytes(self) -> int:
+        return max(e.temp for e in self.executables.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return max(e.peak for e in self.executables.values())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(s.nbytes for s in self.layout.slots if s.name in ("k_cache", "v_cache"))
+
+    def over_budget_message(self, budget: int, fitting: Plan | None) -> str:
+        what = (
+            f"the largest that fits is `max_seq_len={fitting.max_seq_len}` "
+            f"({format_bytes(fitting.total_bytes)})"
+            if fitting is not None
+            else f"no `max_seq_len` fits at `max_batch={self.max_batch}`"
+        )
+        return (
+            f"the plan for `max_batch={self.max_batch}`, `max_seq_len={self.max_seq_len}` needs "
+            f"{format_bytes(self.total_bytes)} (weights {format_bytes(self.weights_bytes)}, "
+            f"scratch {format_bytes(self.scratch_bytes)}, XLA temporaries "
+            f"{format_bytes(self.temp_bytes)}), over the budget of {format_bytes(budget)}; {what}"
+        )
+
+    # Running.
+
+    def allocate(self) -> dict:
+        """Create the scratch: zero-filled arrays, exactly `scratch_bytes` in all."""
+        return self.layout.allocate()
+
+    def take(self) -> dict:
+        """A scratch for one request: a free one from the plan's pool, else a new allocation.
+
+        Each request in flight holds its own scratch, so concurrent requests never share
+        donated buffers; the pool grows to the number of requests run at once.
+        """
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        return self.allocate()
+
+    def keep(self, scratch: dict) -> None:
+        """Return a scratch to the plan's pool once its request is done."""
+        with self._pool_lock:
+            self._pool.append(scratch)
+
+    def _check_batch(self, batch: int) -> None:
+        if batch > self.max_batch:
+            raise PlanError(
+                f"batch of {batch} rows exceeds the plan's `max_batch={self.max_batch}`"
+            )
+
+    def _pad_rows(self, x: np.ndarray, fill) -> np.ndarray:
+        pad = self.max_batch - x.shape[0]
+        return np.concatenate([x, np.full((pad, *x.shape[1:]), fill, x.dtype)]) if pad else x
+
+    def prefill(self, scratch: dict, prompt, lengths=None) -> tuple[dict, jax.Array]:
+        """Reset the cache and run left-padded `prompt` `[batch, t]` (row `b`'s tokens are the last
+        `lengths[b]`); returns the updated scratch and the logits `[batch, vocab]` of the last
+        position. `scratch` is donated: use the returned one.
+        """
+        prompt = np.asarray(prompt, np.int32)
+        if prompt.ndim != 2:
+            raise ValueError(f"`prompt` must be [batch, seq], got shape {prompt.shape}")
+        b, t = prompt.shape
+        self._check_batch(b)
+        if t > self.max_seq_len:
+            raise PlanError(
+                f"prompt of {t} tokens exceeds the plan's `max_seq_len={self.max_seq_len}`"
+            )
+        lengths = np.full((b,), t, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t:
+            raise ValueError(f"`lengths` must be {b} values in [1, {t}], got {lengths.tolist()}")
+        self.layout.check(scratch)
+        scratch, logits = self.engine.prefill_step(
+            self.engine.params, scratch, self._pad_rows(prompt, 0), self._pad_rows(lengths, 1)
+        )
+        return scratch, logits[:b]
+
+    def decode(self, scratch: dict, tokens) -> tuple[dict, jax.Array]:
+        """Feed one token per row (`tokens` `[batch]`) at the next cache slot; returns the
+        updated scratch and the logits `[batch, vocab]`. `scratch` is donated.
+        """
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        self._check_batch(tokens.shape[0])
+        self.layout.check(scratch)
+        index = int(scratch["model"]["cache_index"])
+        if index >= self.max_seq_len:
+            raise PlanError(f"the cache is full: `max_seq_len={self.max_seq_len}` tokens")
+        scratch, logits = self.engine.decode_step(
+            self.engine.params, scratch, self._pad_rows(tokens, 0)
+        )
+        return scratch, logits[: tokens.shape[0]]
+
+    # Reporting.
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        for slot in self.layout.slots:
+            dtype = str(slot.dtype)
+            if slot.dtype != slot.spec.dtype:
+                dtype = f"{slot.spec.dtype} as {slot.dtype}"
+            rows.append(
+                (
+                    slot.owner or "-",
+                    slot.name,
+                    "[" + ", ".join(map(str, slot.shape)) + "]",
+                    dtype,
+                    format_bytes(slot.nbytes),
+                    f"own buffer @0 (align {ALIGNMENT})",
+                )
+            )
+        return rows
+
+    def _totals(self) -> list[tuple[str, str]]:
+        lines = [
+            ("weights", format_bytes(self.weights_bytes)),
+            (f"scratch ({len(self.layout.slots)} slots)", format_bytes(self.scratch_bytes)),
+        ]
+        for e in self.executables.values():
+            lines.append(
+                (
+                    f"XLA `{e.name}`",
+                    f"arguments {format_bytes(e.argument)}, outputs {format_bytes(e.output)}, "
+                    f"aliased {format_bytes(e.alias)}, temporaries {format_bytes(e.temp)}, "
+                    f"peak {format_bytes(e.peak)}",
+                )
+            )
+        lines.append(("whole bill (peak)", format_bytes(self.total_bytes)))
+        if self.budget is not None:
+            lines.append(("budget", format_bytes(self.budget)))
+        return lines
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
+            f"total={format_bytes(self.total_bytes)})"
+        )
+
+    def __str__(self) -> str:
+        header = ("owner", "slot", "shape", "dtype", "bytes", "buffer")
+        rows = [header, *self._rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [
+            f"Plan: max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
+            f"prefill_chunk={self.prefill_chunk}, device={jax.devices()[0]}"
+        ]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append("")
+        lines.extend(f"{k}: {v}" for k, v in self._totals())
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(
+            f"<th>{h}</th>" for h in ("owner", "slot", "shape", "dtype", "bytes", "buffer")
+        )
+        body = "".join(
+            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._rows()
+        )
+        totals = "".join(
+            f"<tr><th style='text-align:left'>{esc(k)}</th><td>{esc(v)}</td></tr>"
+            for k, v in self._totals()
+        )
+        return (
+            f"<b>{esc(repr(self))}</b><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table><table>{totals}</table>"
+        )
+
+    def plot(self, ax=None):
+        """Draw the bill: a bar per buffer kind, scratch slots as segments; returns the axes."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(9, 2.5 + 0.3 * len(self.executables)))
+        mib = 2**20
+        ax.barh("weights", self.weights_bytes / mib, color="tab:blue", label="weights")
+        left = 0.0
+        cmap = plt.get_cmap("Oranges")
+        for i, slot in enumerate(self.layout.slots):
+            shade = cmap(0.35 + 0.5 * (i % 2))
+            ax.barh("scratch", slot.nbytes / mib, left=left, color=shade, edgecolor="white")
+            left += slot.nbytes / mib
+        for e in self.executables.values():
+            ax.barh(f"XLA temp ({e.name})", e.temp / mib, color="tab:green")
+        ax.axvline(self.total_bytes / mib, color="black", linestyle="--", label="whole bill")
+        if self.budget is not None:
+            ax.axvline(self.budget / mib, color="tab:red", label="budget")
+        ax.set_xlabel("MiB")
+        ax.set_title(repr(self))
+        ax.legend(loc="lower right")
+        return ax

@@ -1,0 +1,251 @@
+"""The static memory plan: declarations, cached decode, donation in place, accounting, budgets."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import make_hf_model
+from flax import nnx
+
+import jaxlm
+from jaxlm import LlamaForCausalLM, ModelConfig, PlanError
+from jaxlm.memory import declarations, parse_bytes
+
+LENGTHS = [7, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan_llama")
+    make_hf_model(path, "llama_gqa4")
+    model, _ = jaxlm.load(path)
+    return model
+
+
+def left_padded(lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    t = max(lengths)
+    prompt = rng.integers(0, vocab, (len(lengths), t)).astype(np.int32)
+    return prompt, np.asarray(lengths, np.int32)
+
+
+@pytest.mark.parametrize(
+    "family,dtype",
+    [
+        ("llama_gqa4", jnp.float32),
+        ("qwen3", jnp.float32),
+        ("qwen2", jnp.float32),
+        ("mistral_window", jnp.float32),
+        ("llama_gqa4", jnp.bfloat16),
+    ],
+)
+def test_cached_decode_equals_full_forward(tmp_path, family, dtype):
+    make_hf_model(tmp_path, family, dtype=torch.float32)
+    model, _ = jaxlm.load(tmp_path, dtype=dtype)
+    vocab = model.config.vocab_size
+    prompt, lengths = left_padded(LENGTHS, vocab)
+    t = prompt.shape[1]
+    steps = 16
+    plan = jaxlm.plan(model, max_batch=3, max_seq_len=t + steps)
+    scratch = plan.allocate()
+    scratch, logits = plan.prefill(scratch, prompt, lengths)
+    fed = np.random.default_rng(1).integers(0, vocab, (3, steps)).astype(np.int32)
+    sequence = np.concatenate([prompt, fed], axis=1)
+    mask = np.concatenate([np.arange(t)[None] >= (t - lengths)[:, None], np.ones_like(fed)], 1)
+    full = np.asarray(model(sequence, attention_mask=mask))
+    # bf16: both paths round k/v and matmul inputs alike; only the summation order differs.
+    atol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(logits), full[:, t - 1], atol=atol, rtol=0)
+    for i in range(steps):
+        scratch, logits = plan.decode(scratch, fed[:, i])
+        np.testing.assert_allclose(np.asarray(logits), full[:, t + i], atol=atol, rtol=0)
+
+
+def test_declarations_are_static_and_abstract(tiny):
+    config = tiny.config
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config))
+    real = list(declarations(tiny))
+    assert real == list(declarations(abstract))
+    attn = tiny.model.layers[0].self_attn
+    assert attn.k_cache.shape == ("batch", config.num_key_value_heads, "seq", config.head_dim)
+    assert len(real) == 2 * config.num_hidden_layers + 2
+    # Declaring allocates nothing: the model's state holds only its parameters.
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(tiny)))
+    assert n_params == config.num_parameters()
+
+
+def test_planned_bytes_equal_allocated_bytes(tiny):
+    plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=48)
+    live_before = len(jax.live_arrays())
+    scratch = plan.allocate()
+    leaves = jax.tree.leaves(scratch)
+    assert sum(x.nbytes for x in leaves) == plan.scratch_bytes
+    assert (
+        len(jax.live_arrays()) == live_before + len(plan.layout.slots) == live_before + len(leaves)
+    )
+    c = tiny.config
+    kv = 2 * c.num_hidden_layers * 2 * 48 * c.num_key_value_heads * c.head_dim * 4
+    assert plan.kv_cache_bytes == kv
+
+
+def test_step_runs_in_place(tiny):
+    plan = jaxlm.plan(tiny, max_batch=3, max_seq_len=32)
+    prompt, lengths = left_padded(LENGTHS, tiny.config.vocab_size)
+    scratch = plan.allocate()
+    scratch, _ = plan.prefill(scratch, prompt, lengths)
+    before = jax.tree.leaves(scratch)
+    pointers = [x.unsafe_buffer_pointer() for x in before]
+    for step in range(3):
+        scratch, _ = plan.decode(scratch, prompt[:, step])
+        after = jax.tree.leaves(scratch)
+        assert all(x.is_deleted() for x in before)
+        assert [x.unsafe_buffer_pointer() for x in after] == pointers
+        before = after
+
+
+def test_xla_aliases_all_scratch_and_copies_no_cache(tiny):
+    plan = jaxlm.plan(tiny, max_batch=3, max_seq_len=64)
+    for name, stats in plan.executables.items():
+        assert stats.alias == plan.scratch_bytes, name
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.engine.params)
+    step = plan.engine.decode_step.lower(
+        abstract, plan.layout.abstract(), jax.ShapeDtypeStruct((3,), jnp.int32)
+    ).compile()
+    assert step.memory_analysis().alias_size_in_bytes == plan.scratch_bytes
+    c = tiny.config
+    cache_shape = f"[3,{c.num_key_value_heads},64,{c.head_dim}]"
+    for hlo in (step.as_text(), plan.compiled["decode"].as_text()):
+        assert "input_output_alias" in hlo
+        copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line)]
+        assert not [line for line in copies if cache_shape in line], copies
+
+
+def test_bfloat16_cache_is_stored_as_uint16_bits(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=16)
+    caches = [s for s in plan.layout.slots if s.name == "k_cache"]
+    assert {str(s.spec.dtype) for s in caches} == {"bfloat16"}
+    assert {str(s.dtype) for s in caches} == {"uint16"}
+
+
+def test_eight_billion_plan_without_allocating():
+    config = ModelConfig.from_hf_config(
+        dict(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+        )
+    )
+    live_before = len(jax.live_arrays())
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16))
+    plan = jaxlm.plan(abstract, max_batch=8, max_seq_len=8192, prefill_chunk=64)
+    assert len(jax.live_arrays()) == live_before
+    kv = 2 * 32 * 8 * 8192 * 8 * 128 * 2
+    assert plan.kv_cache_bytes == kv
+    assert plan.weights_bytes == 8_030_261_248 * 2
+    # XLA's arguments are the weights, the scratch and the step's small inputs.
+    decode = plan.executables["decode"]
+    assert plan.weights_bytes + plan.scratch_bytes <= decode.argument
+    assert decode.argument - plan.weights_bytes - plan.scratch_bytes < 4096
+    assert plan.total_bytes >= plan.weights_bytes + plan.scratch_bytes
+
+
+def test_budget_picks_the_largest_page_that_fits(tmp_path):
+    make_hf_model(tmp_path, "llama_gqa4")
+    from conftest import rewrite_config
+
+    rewrite_config(tmp_path, max_position_embeddings=4096)
+    model, _ = jaxlm.load(tmp_path)
+    reference = jaxlm.plan(model, max_batch=2, max_seq_len=1280)
+    budget = reference.total_bytes + 1000
+    plan = jaxlm.plan(model, max_batch=2, budget=budget)
+    assert plan.total_bytes <= budget
+    assert plan.max_seq_len % 256 == 0
+    assert plan.max_seq_len >= 1280
+    bigger = jaxlm.plan(model, max_batch=2, max_seq_len=plan.max_seq_len + 256)
+    assert bigger.total_bytes > budget
+    with pytest.raises(
+        PlanError, match=r"over the budget .* the largest that fits is `max_seq_len="
+    ):
+        jaxlm.plan(model, max_batch=2, max_seq_len=plan.max_seq_len + 256, budget=budget)
+    with pytest.raises(PlanError, match="no `max_seq_len` fits"):
+        jaxlm.plan(model, max_batch=2, budget=1000)
+
+
+def test_parse_bytes():
+    assert parse_bytes("1.5GiB") == 1.5 * 2**30
+    assert parse_bytes("800MB") == 800_000_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("lots", "-1GiB", 0, "1.2.3GB", True):
+        with pytest.raises(ValueError, match="`budget`"):
+            parse_bytes(bad)
+
+
+def test_report(tiny):
+    plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=32, budget="1GiB")
+    text = str(plan)
+    assert "model.layers.1.self_attn" in text and "k_cache" in text and "[2, 2, 32, 8]" in text
+    assert "whole bill" in text and "temporaries" in text and "budget: 1.00 GiB" in text
+    assert "<table>" in plan._repr_html_()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plan.plot()
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels[:2] == ["weights", "scratch"]
+    assert len(ax.patches) == 1 + len(plan.layout.slots) + len(plan.executables)
+
+
+# Bad input: each a clear error before any XLA work.
+
+
+def test_prompt_longer_than_plan(tiny):
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
+    with pytest.raises(PlanError, match=r"prompt of 9 tokens exceeds .*`max_seq_len=8`"):
+        plan.prefill(plan.allocate(), np.zeros((1, 9), np.int32))
+
+
+def test_batch_larger_than_plan(tiny):
+    plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=8)
+    with pytest.raises(PlanError, match=r"3 rows exceeds .*`max_batch=2`"):
+        plan.prefill(plan.allocate(), np.zeros((3, 4), np.int32))
+
+
+def test_scratch_of_another_plan(tiny):
+    small = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
+    big = jaxlm.plan(tiny, max_batch=1, max_seq_len=16)
+    with pytest.raises(PlanError, match="does not belong to this plan"):
+        big.prefill(small.allocate(), np.zeros((1, 4), np.int32))
+
+
+def test_donated_scratch_reused(tiny):
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
+    scratch = plan.allocate()
+    plan.prefill(scratch, np.zeros((1, 4), np.int32))
+    with pytest.raises(PlanError, match="donated to an earlier step"):
+        plan.decode(scratch, [1])
+
+
+def test_cache_full(tiny):
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=4)
+    scratch, _ = plan.prefill(plan.allocate(), np.zeros((1, 4), np.int32))
+    with pytest.raises(PlanError, match="cache is full"):
+        plan.decode(scratch, [1])
+
+
+def test_plan_arguments():
+    with pytest.raises(ValueError, match="`max_batch`"):
+        jaxlm.plan(None, max_batch=0, max_seq_len=8)
+    with pytest.raises(ValueError, match="give `max_seq_len`, `budget`"):
+        jaxlm.plan(None, max_batch=1)
