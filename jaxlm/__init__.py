@@ -8,8 +8,10 @@ Example:
 """
 
 from jaxlm.config import ModelConfig
+from jaxlm.diagnostics import CompileCounter
 from jaxlm.engine import plan
 from jaxlm.errors import JaxlmError, LoadError, PlanError
+from jaxlm.generate import GenerationResult, chat, generate, stream
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.llama import LlamaForCausalLM
@@ -17,6 +19,8 @@ from jaxlm.planner import Plan
 from jaxlm.tokenizer import Tokenizer
 
 __all__ = [
+    "CompileCounter",
+    "GenerationResult",
     "JaxlmError",
     "LlamaForCausalLM",
     "LoadError",
@@ -25,6 +29,9 @@ __all__ = [
     "PlanError",
     "ScratchSpec",
     "Tokenizer",
+    "chat",
+    "generate",
     "load",
     "plan",
+    "stream",
 ]

@@ -123,3 +123,54 @@ def tiny_llama(tmp_path_factory):
     """A saved tiny Llama (GQA 4:1) directory and its transformers model."""
     path = tmp_path_factory.mktemp("tiny_llama")
     return path, make_hf_model(path, "llama_gqa4")
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Once upon a time, in a small village, there lived a cat named Émile.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Ünïcödé wörds, café, naïve, 東京, 😀 emoji and more text to learn merges from.",
+] * 20
+
+
+def save_tokenizer(path: Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE tokenizer with ChatML special tokens into `path`; returns its size."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "chat_template": CHATML,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory):
+    """A saved tiny Llama with a trained byte-level tokenizer and a ChatML chat template."""
+    path = tmp_path_factory.mktemp("tiny_chat")
+    vocab = save_tokenizer(path)
+    config = transformers.LlamaConfig(**{**BASE, "vocab_size": vocab, "eos_token_id": 0})
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path

@@ -1,0 +1,242 @@
+"""generate / stream / chat: greedy equals a reference loop, sampling, buckets, stops, errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from conftest import CHATML, make_hf_model
+
+import jaxlm
+from jaxlm.generate import _Detokenizer
+
+PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_chat):
+    return jaxlm.load(tiny_chat)
+
+
+def reference_greedy(model, prompt, n, stop=()):
+    """Argmax of the full forward over the growing sequence, one token at a time.
+
+    The sequence is right-padded to a fixed length so one compiled forward serves every step;
+    causal attention makes the padding invisible to the real positions.
+    """
+    width = 32
+    forward = jax.jit(lambda ids, mask: model(ids, attention_mask=mask))
+    seq = list(prompt)
+    for _ in range(n):
+        ids = np.zeros((1, width), np.int32)
+        ids[0, : len(seq)] = seq
+        mask = np.arange(width)[None] < len(seq)
+        token = int(np.asarray(forward(ids, mask))[0, len(seq) - 1].argmax())
+        if token in stop:
+            break
+        seq.append(token)
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("family", ["llama_gqa4", "qwen3", "mistral_window"])
+def test_greedy_equals_reference_loop(tmp_path, family):
+    make_hf_model(tmp_path, family)
+    model, _ = jaxlm.load(tmp_path)
+    out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    assert out.finish_reasons == ["length"] * 3
+    for prompt, got in zip(PROMPTS, out.token_ids, strict=True):
+        assert got == reference_greedy(model, prompt, 12)
+
+
+def test_greedy_stops_at_stop_tokens(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    free = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    stop = free.token_ids[0][4]
+    out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
+    for prompt, got, reason in zip(PROMPTS, out.token_ids, out.finish_reasons, strict=True):
+        expected = reference_greedy(model, prompt, 12, stop=(stop,))
+        assert got == expected
+        assert reason == ("stop" if len(expected) < 12 else "length")
+    assert out.token_ids[0] == free.token_ids[0][: free.token_ids[0].index(stop)]
+
+
+def test_given_plan_and_prefill_chunks(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    plan = jaxlm.plan(model, max_batch=4, max_seq_len=40, prefill_chunk=4)
+    out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=9, stop_token_ids=[], plan=plan)
+    for prompt, got in zip(PROMPTS, out.token_ids, strict=True):
+        assert got == reference_greedy(model, prompt, 9)
+
+
+def test_same_seed_same_tokens_and_greedy_rows_stay_greedy(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    kw = dict(max_new_tokens=10, stop_token_ids=[], top_k=20)
+    a = jaxlm.generate(model, None, PROMPTS, temperature=[0.0, 1.0, 1.5], seed=3, **kw)
+    b = jaxlm.generate(model, None, PROMPTS, temperature=[0.0, 1.0, 1.5], seed=3, **kw)
+    c = jaxlm.generate(model, None, PROMPTS, temperature=[0.0, 1.0, 1.5], seed=4, **kw)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids[1:] != c.token_ids[1:]
+    assert a.token_ids[0] == reference_greedy(model, PROMPTS[0], 10)
+    # A row's samples depend on its seed and position in the batch, not on the other rows.
+    alone = jaxlm.generate(model, None, PROMPTS[:2], temperature=[0.5, 1.0], seed=3, **kw)
+    assert alone.token_ids[1] == a.token_ids[1]
+
+
+def test_sampling_changes_compile_nothing(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    jaxlm.generate(model, None, [[1, 2, 3]], max_new_tokens=5)
+    with jaxlm.CompileCounter() as compiles:
+        for i, prompt in enumerate([[4, 5], [6] * 9, list(range(1, 17))]):
+            jaxlm.generate(
+                model,
+                None,
+                prompt,
+                max_new_tokens=3 + 4 * i,
+                temperature=0.3 * i,
+                top_p=1.0 - 0.1 * i,
+                top_k=i,
+                min_p=0.01 * i,
+                repetition_penalty=1.0 + 0.1 * i,
+                seed=i,
+            )
+    assert compiles.count == 0
+
+
+def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
+    model, _ = jaxlm.load(tiny_llama[0])
+    jaxlm.generate(model, None, PROMPTS, max_new_tokens=6)
+    engine = jaxlm.engine.engine_of(model)
+    calls = []
+    for name in ("prefill_step", "decode_step", "start", "decode_loop", "generate"):
+        fn = getattr(engine, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(engine, name, counted)
+    jaxlm.generate(model, None, PROMPTS, max_new_tokens=6, temperature=0.7)
+    assert calls == ["generate"]
+    plan = engine.plans[(4, 16, 32)]
+    hlo = plan.compiled["generate"].as_text()
+    assert " while(" in hlo
+
+
+def test_repetition_penalty_avoids_repeats(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    kw = dict(max_new_tokens=24, stop_token_ids=[])
+    plain = jaxlm.generate(model, None, PROMPTS[0], **kw).token_ids[0]
+    penalized = jaxlm.generate(model, None, PROMPTS[0], repetition_penalty=1e6, **kw).token_ids[0]
+    assert len(set(plain)) < len(plain)
+    # With a huge penalty every seen token (prompt included) loses to any unseen one.
+    seen = set(PROMPTS[0])
+    for t in penalized:
+        assert t not in seen
+        seen.add(t)
+
+
+def test_text_prompts_stop_strings_and_eos(chat_model):
+    model, tok = chat_model
+    free = jaxlm.generate(model, tok, "The capital of", max_new_tokens=20, stop_token_ids=[])
+    text = free.texts[0]
+    assert text == tok.decode(free.token_ids[0])
+    stop = text[5:8]
+    first = text.find(stop)
+    out = jaxlm.generate(
+        model, tok, "The capital of", max_new_tokens=20, stop_token_ids=[], stop=stop
+    )
+    assert out.texts[0] == text[:first]
+    assert out.finish_reasons == ["stop"]
+    assert tok.decode(out.token_ids[0]) == text[: len(tok.decode(out.token_ids[0]))]
+    assert len(tok.decode(out.token_ids[0])) <= first
+    # EOS comes from the tokenizer config by default.
+    assert tok.eos_token_ids == (tok.backend.token_to_id("<|im_end|>"), 0)
+
+
+def test_stream_yields_the_generated_text(chat_model):
+    model, tok = chat_model
+    kw = dict(max_new_tokens=30, temperature=0.9, seed=7, stop_token_ids=[])
+    full = jaxlm.generate(model, tok, "Once upon a time", **kw).texts[0]
+    pieces = list(jaxlm.stream(model, tok, "Once upon a time", chunk_tokens=3, **kw))
+    assert "".join(pieces) == full
+    assert len(pieces) > 1
+    batch = list(jaxlm.stream(model, tok, ["Once upon a time", "café"], **kw))
+    assert "".join(p[0] for p in batch) == full
+    stop = full[4:6]
+    cut = "".join(jaxlm.stream(model, tok, "Once upon a time", stop=stop, **kw))
+    assert cut == full[: full.find(stop)]
+
+
+def test_detokenizer_holds_back_partial_characters(chat_model):
+    _, tok = chat_model
+    ids = tok.encode("café 東京 😀 done")
+    detok = _Detokenizer(tok, stop=("done",))
+    pieces = [detok.update(ids[: i + 1], final=False) for i in range(len(ids))]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == "café 東京 😀 "
+    assert detok.finished
+
+
+def test_chat_renders_the_template_as_transformers_does(chat_model, tiny_chat):
+    model, tok = chat_model
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi! Ünïcödé?"},
+    ]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tiny_chat)
+    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == expected
+    assert tok.chat_template == CHATML
+    reply = jaxlm.chat(model, tok, messages, max_new_tokens=8)
+    prompt = tok.encode(expected, add_special_tokens=False)
+    assert reply == jaxlm.generate(model, tok, prompt, max_new_tokens=8).texts[0]
+    assert "".join(jaxlm.chat(model, tok, messages, max_new_tokens=8, stream=True)) == reply
+
+
+def test_repeated_generate_keeps_live_arrays_constant(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    jaxlm.generate(model, None, PROMPTS, max_new_tokens=5)
+    before = len(jax.live_arrays()), sum(x.nbytes for x in jax.live_arrays())
+    for i in range(5):
+        jaxlm.generate(model, None, PROMPTS, max_new_tokens=5 + i, temperature=0.1 * i)
+    after = len(jax.live_arrays()), sum(x.nbytes for x in jax.live_arrays())
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompts=[[]]), "prompt 0 is empty"),
+        (dict(prompts=""), "prompt 0 is empty"),
+        (dict(prompts=[]), "`prompts` is empty"),
+        (dict(max_new_tokens=0), "`max_new_tokens` must be an integer >= 1"),
+        (dict(max_new_tokens=2.5), "`max_new_tokens`"),
+        (dict(top_p=0.0), r"`top_p` must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"`top_p` must be in \(0, 1\]"),
+        (dict(temperature=-1.0), "`temperature` must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "`temperature`"),
+        (dict(top_k=-3), "`top_k`"),
+        (dict(min_p=2.0), "`min_p`"),
+        (dict(repetition_penalty=0.0), "`repetition_penalty`"),
+        (dict(temperature=[0.5]), "`temperature` has 1 values for 3 prompts"),
+        (dict(prompts=[[1, 2, 10_000]]), "outside the vocabulary"),
+        (dict(prompts=["text"]), "need a tokenizer"),
+        (dict(stop_token_ids=[-1]), "`stop_token_ids`"),
+    ],
+)
+def test_bad_requests(tiny_llama, kwargs, match):
+    model, _ = jaxlm.load(tiny_llama[0])
+    args = dict(prompts=PROMPTS, max_new_tokens=4) | kwargs
+    with jaxlm.CompileCounter() as compiles, pytest.raises(ValueError, match=match):
+        jaxlm.generate(model, None, args.pop("prompts"), **args)
+    assert compiles.count == 0
+
+
+def test_prompt_longer_than_the_plan(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=16)
+    with pytest.raises(jaxlm.PlanError, match=r"`max_new_tokens=8` exceeds .*`max_seq_len=16`"):
+        jaxlm.generate(model, None, list(range(1, 12)), max_new_tokens=8, plan=plan)
+    with pytest.raises(jaxlm.PlanError, match=r"2 prompts exceed the plan's `max_batch=1`"):
+        jaxlm.generate(model, None, PROMPTS[:2], max_new_tokens=2, plan=plan)
