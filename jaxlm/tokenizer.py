@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 

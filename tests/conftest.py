@@ -10,6 +10,9 @@ import pytest
 import torch
 import transformers
 
+# The project's shared reference data sits beside the repository: `../shared/reference`.
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference"
+
 BASE = dict(
     vocab_size=96,
     hidden_size=64,

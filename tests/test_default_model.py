@@ -1,0 +1,47 @@
+"""The default model (SmolLM2-135M-Instruct GGUF) against llama.cpp's reference ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REFERENCE_DIR
+
+import jaxlm
+
+REFERENCE = json.loads((REFERENCE_DIR / "smollm2_llamacpp.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return jaxlm.load(progress=False)
+
+
+def test_greedy_generation_equals_llama_cpp(smollm2):
+    model, tokenizer = smollm2
+    cases = REFERENCE["generations"]
+    for case in cases:
+        assert tokenizer.encode(case["prompt"]) == case["prompt_ids"]
+    out = jaxlm.generate(
+        model, tokenizer, [c["prompt_ids"] for c in cases], max_new_tokens=32, stop_token_ids=[]
+    )
+    for case, got in zip(cases, out.token_ids, strict=True):
+        assert got == case["greedy_ids"], case["prompt"]
+        assert tokenizer.decode(got) == case["greedy_text"]
+
+
+def test_eos_stops_generation_by_default(smollm2):
+    model, tokenizer = smollm2
+    case = REFERENCE["generations"][0]
+    # llama.cpp's continuation reaches `<|im_end|>` (id 2, the EOS) at its 30th token.
+    out = jaxlm.generate(model, tokenizer, case["prompt"], max_new_tokens=32)
+    stop_at = case["greedy_ids"].index(2)
+    assert out.token_ids[0] == case["greedy_ids"][:stop_at]
+    assert out.finish_reasons == ["stop"]
+    assert 2 in tokenizer.eos_token_ids
+
+
+def test_chat_template_renders(smollm2):
+    _, tokenizer = smollm2
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert text.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
