@@ -1,9 +1,14 @@
 """Building blocks shared by the decoders: linear layers, RMSNorm, rotary embeddings, SwiGLU MLP.
 
-Weights keep the Hugging Face layout (`[out, in]` for linear layers) so checkpoints load by name
-without transposes. Activations flow in float32; a matmul casts its input to the weight dtype
-and accumulates in float32 (`preferred_element_type`), which runs natively in bfloat16 on CPUs
-with bf16 instructions.
+Parameters are named as in Hugging Face checkpoints, but 2-D weights are stored as `[in, out]`,
+the transpose of PyTorch's `[out, in]`; such parameters carry `transposed=True` metadata and the
+loader transposes them. On XLA:CPU, `x @ w` with `w` as `[in, out]` ran 1.4x faster than
+contracting the last axes of `[out, in]` weights, at 1 and at 8 rows (60 matmuls of 576x1536 in
+a loop: 133 against 191 us at 1 row, 307 against 462 us at 8 rows).
+
+Activations flow in float32; a matmul casts its input to the weight dtype and accumulates in
+float32 (`preferred_element_type`), which runs natively in bfloat16 on CPUs with bf16
+instructions.
 """
 
 from __future__ import annotations
@@ -22,42 +27,47 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` for `w` `[in, out]`, accumulated in float32."""
+    return jax.lax.dot_general(
+        x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
 class Linear(nnx.Module):
-    """`y = x @ weight.T + bias` with `weight` of shape `[out, in]` (the PyTorch layout)."""
+    """`y = x @ weight + bias`, with `weight` stored as `[in, out]`."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+        self.weight = nnx.Param(_normal(rngs, (in_features, out_features), dtype), transposed=True)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
-        y = jax.lax.dot_general(
-            x.astype(w.dtype),
-            w,
-            (((x.ndim - 1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+        y = matmul(x, self.weight[...])
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y
 
 
 class Embedding(nnx.Module):
-    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (num_embeddings, features), dtype))
+    """Token embeddings, also the LM head when the embeddings are tied.
+
+    A tied embedding is stored as `[features, vocab]`, the layout of a fast LM-head matmul; the
+    lookup then gathers columns, which costs little for the few tokens of a step.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, tied: bool, dtype, rngs: nnx.Rngs):
+        self.tied = tied
+        shape = (features, num_embeddings) if tied else (num_embeddings, features)
+        self.weight = nnx.Param(_normal(rngs, shape, dtype), transposed=tied)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.tied:
+            return jnp.moveaxis(jnp.take(self.weight[...], ids, axis=1), 0, -1).astype(jnp.float32)
         return jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the embedding matrix (tied LM head)."""
-        w = self.weight[...]
-        return jax.lax.dot_general(
-            x.astype(w.dtype),
-            w,
-            (((x.ndim - 1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+        """Logits against the embedding matrix (the tied LM head)."""
+        return matmul(x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import jax
@@ -172,12 +173,14 @@ FULL_SIZE = {
 def test_full_size_parameter_counts_without_allocating(name):
     published, hf_config = FULL_SIZE[name]
     config = ModelConfig.from_hf_config(hf_config)
+    gc.collect()
     live_before = len(jax.live_arrays())
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16))
     leaves = jax.tree.leaves(nnx.state(abstract))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(x.size for x in leaves) == published
     assert config.num_parameters() == published
+    gc.collect()
     assert len(jax.live_arrays()) == live_before
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 
 import jax
@@ -81,6 +82,7 @@ def test_declarations_are_static_and_abstract(tiny):
 
 def test_planned_bytes_equal_allocated_bytes(tiny):
     plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=48)
+    gc.collect()
     live_before = len(jax.live_arrays())
     scratch = plan.allocate()
     leaves = jax.tree.leaves(scratch)
@@ -147,9 +149,11 @@ def test_eight_billion_plan_without_allocating():
             max_position_embeddings=131072,
         )
     )
+    gc.collect()
     live_before = len(jax.live_arrays())
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16))
     plan = jaxlm.plan(abstract, max_batch=8, max_seq_len=8192, prefill_chunk=64)
+    gc.collect()
     assert len(jax.live_arrays()) == live_before
     kv = 2 * 32 * 8 * 8192 * 8 * 128 * 2
     assert plan.kv_cache_bytes == kv

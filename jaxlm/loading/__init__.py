@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
@@ -84,38 +83,37 @@ def build_model(config: ModelConfig, checkpoint, dtype, progress=None, source=No
     """Build `config`'s model abstractly and fill it tensor by tensor from `checkpoint`."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    wanted = {_name(path): i for i, (path, _) in enumerate(leaves)}
+    variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
     available = set(checkpoint.names())
     if config.tie_word_embeddings:
         available.discard("lm_head.weight")
     available = {n for n in available if not n.endswith(_IGNORED_SUFFIXES)}
-    missing = sorted(set(wanted) - available)
-    unexpected = sorted(available - set(wanted))
+    missing = sorted(set(variables) - available)
+    unexpected = sorted(available - set(variables))
     where = source or checkpoint.path
     if missing:
         raise LoadError(f"{where}: missing tensors " + ", ".join(f"`{n}`" for n in missing))
     if unexpected:
         raise LoadError(f"{where}: unexpected tensors " + ", ".join(f"`{n}`" for n in unexpected))
-    values = [None] * len(leaves)
     # `disable=None` lets tqdm show the bar on a terminal only.
     disable = None if progress is None else not progress
-    bar = tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=disable)
-    for name, i in wanted.items():
-        expected = leaves[i][1].shape
+    for name, var in tqdm(
+        variables.items(), desc="Loading weights", unit="tensor", disable=disable
+    ):
+        transposed = var.get_metadata().get("transposed", False)
+        expected = var.get_value().shape
+        checkpoint_shape = expected[::-1] if transposed else expected
         tensor = checkpoint.read(name)
-        if tuple(tensor.shape) != tuple(expected):
+        if tuple(tensor.shape) != tuple(checkpoint_shape):
             raise LoadError(
                 f"{where}: tensor `{name}` has shape {list(tensor.shape)}, "
-                f"the config needs {list(expected)}"
+                f"the config needs {list(checkpoint_shape)}"
             )
-        values[i] = jnp.asarray(tensor).astype(dtype)
+        value = jnp.asarray(tensor).astype(dtype)
         del tensor
-        bar.update()
-    bar.close()
-    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+        var.set_value(value.T if transposed else value)
+    return nnx.merge(graphdef, state)
 
 
 def _name(path) -> str:
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return ".".join(str(k) for k in keys if k != "value")
+    return ".".join(str(k) for k in path)

@@ -110,7 +110,13 @@ class DecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            tied=config.tie_word_embeddings,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.layers = nnx.List(
             [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
         )
