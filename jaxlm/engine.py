@@ -248,24 +248,42 @@ def plan(
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
         return Plan.build(engine, model, max_batch, seq, chunk, limit)
 
+    def floor(seq: int) -> int:
+        # Weights and scratch, known without compiling: a lower bound of the bill.
+        dims = {"batch": max_batch, "seq": seq}
+        return weights_bytes(model) + Layout.build(decls, dims, platform()).nbytes
+
+    decls = engine.declarations(model)
     if max_seq_len is not None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
         p = make(max_seq_len)
         if limit is not None and p.total_bytes > limit:
-            raise PlanError(p.over_budget_message(limit, _fit(make, limit, engine.config)))
+            raise PlanError(p.over_budget_message(limit, _fit(make, floor, limit, engine.config)))
         return p
-    best = _fit(make, limit, engine.config)
+    best = _fit(make, floor, limit, engine.config)
     if best is None:
-        smallest = make(PAGE)
-        raise PlanError(smallest.over_budget_message(limit, None))
+        raise PlanError(make(PAGE).over_budget_message(limit, None))
     return best
 
 
-def _fit(make, limit: int, config) -> object | None:
-    """The plan with the most pages of 256 tokens whose bill fits `limit`, or None."""
-    hi = max(1, -(-config.max_position_embeddings // PAGE))
-    lo, best = 1, None
+def _fit(make, floor, limit: int, config) -> object | None:
+    """The plan with the most pages of 256 tokens whose bill fits `limit`, or None.
+
+    Weights and scratch grow linearly with the pages and are known without compiling, so a
+    cheap bisection bounds the answer; plans are compiled only from that bound down: the bound
+    itself first (XLA's temporaries are usually small), then a bisection below it.
+    """
+    lo, hi = 1, max(1, -(-config.max_position_embeddings // PAGE))
+    if floor(lo * PAGE) > limit:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if floor(mid * PAGE) <= limit else (lo, mid - 1)
+    top = make(hi * PAGE)
+    if top.total_bytes <= limit:
+        return top
+    lo, hi, best = 1, hi - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
         candidate = make(mid * PAGE)
