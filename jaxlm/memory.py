@@ -19,6 +19,7 @@ also shard independently (per-slot `axes`) and show up one by one in the plan.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,12 +40,13 @@ ALIGNMENT = 64
 class ScratchSpec:
     """An abstract declaration of scratch state: nothing is allocated.
 
-    `shape` entries are ints or plan dimension names (`"batch"`, `"seq"`); `axes` names the
-    logical sharding axis of each dimension (or `None`); `persistent` slots carry state across
+    `shape` entries are ints, plan dimension names (`"batch"`, `"seq"`) or tuples of those,
+    whose product is the dimension (`("batch", 3)` is three rows per batch row); `axes` names
+    the logical sharding axis of each dimension (or `None`); `persistent` slots carry state across
     calls (caches, positions), the others only within one call.
     """
 
-    shape: tuple[int | str, ...]
+    shape: tuple[int | str | tuple[int | str, ...], ...]
     dtype: Any
     axes: tuple[str | None, ...] = ()
     persistent: bool = True
@@ -57,15 +59,21 @@ class ScratchSpec:
         if len(axes) != len(self.shape):
             raise ValueError(f"`axes` {axes} do not match `shape` {self.shape}")
         object.__setattr__(self, "axes", axes)
-        for d in self.shape:
-            if isinstance(d, str) and d not in PLAN_DIMS:
-                raise ValueError(f"unknown plan dimension {d!r}; use one of {PLAN_DIMS}")
+        for entry in self.shape:
+            for d in entry if isinstance(entry, tuple) else (entry,):
+                if isinstance(d, str) and d not in PLAN_DIMS:
+                    raise ValueError(f"unknown plan dimension {d!r}; use one of {PLAN_DIMS}")
 
     def replace(self, **changes) -> ScratchSpec:
         return dataclasses.replace(self, **changes)
 
     def bind(self, dims: Mapping[str, int]) -> tuple[int, ...]:
-        return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
+        def size(d):
+            return dims[d] if isinstance(d, str) else d
+
+        return tuple(
+            math.prod(size(d) for d in e) if isinstance(e, tuple) else size(e) for e in self.shape
+        )
 
 
 def storage_dtype(dtype: np.dtype, platform: str) -> np.dtype:
