@@ -73,7 +73,9 @@ def test_declarations_are_static_and_abstract(tiny):
     real = list(declarations(tiny))
     assert real == list(declarations(abstract))
     attn = tiny.model.layers[0].self_attn
-    assert attn.k_cache.shape == (("batch", config.num_key_value_heads), "seq", config.head_dim)
+    kv = ("batch", config.num_key_value_heads)
+    assert attn.k_cache.shape == (kv, config.head_dim, "seq")
+    assert attn.v_cache.shape == (kv, "seq", config.head_dim)
     assert len(real) == 2 * config.num_hidden_layers + 2
     # Declaring allocates nothing: the model's state holds only its parameters.
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(tiny)))
@@ -121,11 +123,9 @@ def test_xla_aliases_all_scratch_and_copies_no_cache(tiny, batch):
     ).compile()
     assert step.memory_analysis().alias_size_in_bytes == plan.scratch_bytes
     c = tiny.config
-    # A copy of a whole cache, in its own layout or with the batch as a separate dimension.
-    cache_shapes = (
-        f"[{batch * c.num_key_value_heads},64,{c.head_dim}]",
-        f"[{batch},{c.num_key_value_heads},64,{c.head_dim}]",
-    )
+    # A copy of a whole cache, in either layout, or with the batch as a separate dimension.
+    n, d = batch * c.num_key_value_heads, c.head_dim
+    cache_shapes = (f"[{n},64,{d}]", f"[{n},{d},64]", f"[{batch},{c.num_key_value_heads},")
     for hlo in (step.as_text(), plan.compiled["decode"].as_text()):
         assert "input_output_alias" in hlo
         copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line)]
@@ -204,7 +204,7 @@ def test_parse_bytes():
 def test_report(tiny):
     plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=32, budget="1GiB")
     text = str(plan)
-    assert "model.layers.1.self_attn" in text and "k_cache" in text and "[4, 32, 8]" in text
+    assert "model.layers.1.self_attn" in text and "k_cache" in text and "[4, 8, 32]" in text
     assert "whole bill" in text and "temporaries" in text and "budget: 1.00 GiB" in text
     assert "<table>" in plan._repr_html_()
     import matplotlib
