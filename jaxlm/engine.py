@@ -221,6 +221,7 @@ def plan(
     max_seq_len: int | None = None,
     budget: int | str | None = None,
     prefill_chunk: int | None = None,
+    steps: tuple[str, ...] = ("generate", "decode"),
 ):
     """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing.
 
@@ -228,7 +229,11 @@ def plan(
     `plan.total_bytes` is the whole bill: weights + scratch + XLA's temporaries. With `budget`
     (bytes or a string like `"1.5GiB"`) and no `max_seq_len`, it picks the largest multiple of
     256 tokens whose bill fits; with both, it raises `PlanError` if the bill exceeds the budget.
-    Works on abstract models (`nnx.eval_shape`) too.
+    `steps` names the executables to compile and account for: `"generate"` (prefill of a
+    `prefill_chunk`-token prompt and the decode loop, in one call, as `generate` runs it) and
+    `"decode"` (the decode loop alone, as `stream` runs it between chunks). Prompts shorter than
+    `prefill_chunk` run executables of their own bucket, compiled on first use; their
+    temporaries are smaller. Works on abstract models (`nnx.eval_shape`) too.
 
     Example:
         >>> plan = jaxlm.plan(model, max_batch=4, max_seq_len=2048)
@@ -246,7 +251,7 @@ def plan(
 
     def make(seq: int) -> Plan:
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
-        return Plan.build(engine, model, max_batch, seq, chunk, limit)
+        return Plan.build(engine, model, max_batch, seq, chunk, limit, steps)
 
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
@@ -294,25 +299,32 @@ def _fit(make, floor, limit: int, config) -> object | None:
     return best
 
 
-def compile_steps(engine: Engine, layout: Layout, chunk: int) -> dict:
-    """Compile the steps a plan runs, for its shapes, without allocating anything."""
+def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, ...]) -> dict:
+    """Compile `steps` for a plan's shapes, without allocating anything."""
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), engine.params)
     scratch = layout.abstract()
     batch = layout.dims["batch"]
     x = engine.abstract_inputs(batch, chunk)
-    gen = engine.generate.lower(
-        params,
-        scratch,
-        x["prompt"],
-        x["lengths"],
-        x["rng"],
-        x["params"],
-        x["stop_ids"],
-        x["limit"],
-        chunk=chunk,
-    ).compile()
-    loop = engine.decode_loop.lower(params, scratch, x["params"], x["stop_ids"], x["limit"])
-    return {"generate": gen, "decode": loop.compile()}
+    lowered = {
+        "generate": lambda: engine.generate.lower(
+            params,
+            scratch,
+            x["prompt"],
+            x["lengths"],
+            x["rng"],
+            x["params"],
+            x["stop_ids"],
+            x["limit"],
+            chunk=chunk,
+        ),
+        "decode": lambda: engine.decode_loop.lower(
+            params, scratch, x["params"], x["stop_ids"], x["limit"]
+        ),
+    }
+    unknown = set(steps) - set(lowered)
+    if unknown or not steps:
+        raise ValueError(f"`steps` must name some of {sorted(lowered)}, got {list(steps)}")
+    return {name: lowered[name]().compile() for name in steps}
 
 
 def platform() -> str:

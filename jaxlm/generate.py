@@ -192,19 +192,34 @@ def _shapes(req: _Request, given: Plan | None) -> tuple[int, int, int, int]:
 _PLAN_LOCK = threading.Lock()
 
 
-def _plan_for(model, batch: int, p: int, seq: int, chunk: int, given: Plan | None) -> Plan:
+def _plan_for(
+    model, batch: int, p: int, seq: int, chunk: int, given: Plan | None, step: str
+) -> Plan:
     if given is not None:
         if given.engine is not engine_of(model):
             raise PlanError("`plan` was made for another model")
         return given
     engine = engine_of(model)
-    # The plan compiles the generation step for exactly this prompt bucket, so the executable
-    # it accounts for is the one the request runs.
-    key = (batch, p, seq)
+    # The plan compiles the step of this request for exactly its prompt bucket, so the
+    # executable it accounts for is the one the request runs.
+    key = (batch, p, seq, step)
     with _PLAN_LOCK:
         if key not in engine.plans:
-            engine.plans[key] = plan(model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk)
+            engine.plans[key] = plan(
+                model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk, steps=(step,)
+            )
         return engine.plans[key]
+
+
+def request_plan(
+    model, batch: int, prompt_len: int, max_new_tokens: int, step: str = "generate"
+) -> Plan:
+    """The plan `generate` (`step="generate"`) or `stream` (`step="decode"`) makes and caches
+    for `batch` prompts of at most `prompt_len` tokens and `max_new_tokens`.
+    """
+    req = _Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
+    rows, p, seq, chunk = _shapes(req, None)
+    return _plan_for(model, rows, p, seq, chunk, None, step)
 
 
 def _inputs(req: _Request, batch: int, p: int) -> dict:
@@ -300,7 +315,7 @@ def generate(
         stop=stop,
     )
     batch, p, seq, chunk = _shapes(req, plan)
-    the_plan = _plan_for(model, batch, p, seq, chunk, plan)
+    the_plan = _plan_for(model, batch, p, seq, chunk, plan, "generate")
     engine = the_plan.engine
     x = _inputs(req, batch, p)
     scratch = engine.generate(
@@ -412,7 +427,7 @@ def stream(
 
 def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: int):
     batch, p, seq, chunk = _shapes(req, given)
-    the_plan = _plan_for(model, batch, p, seq, chunk, given)
+    the_plan = _plan_for(model, batch, p, seq, chunk, given, "decode")
     engine = the_plan.engine
     x = _inputs(req, batch, p)
     n = len(req.prompts)

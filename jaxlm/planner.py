@@ -45,10 +45,10 @@ class Plan:
         self._pool_lock = threading.Lock()
 
     @classmethod
-    def build(cls, engine, model, max_batch, max_seq_len, chunk, budget) -> Plan:
+    def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps) -> Plan:
         dims = {"batch": max_batch, "seq": max_seq_len}
         layout = Layout.build(engine.declarations(model), dims, platform())
-        compiled = compile_steps(engine, layout, chunk)
+        compiled = compile_steps(engine, layout, chunk, steps)
         return cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
 
     @property
@@ -241,10 +241,12 @@ class Plan:
         cmap = plt.get_cmap("Oranges")
         for i, slot in enumerate(self.layout.slots):
             shade = cmap(0.35 + 0.5 * (i % 2))
-            ax.barh("scratch", slot.nbytes / mib, left=left, color=shade, edgecolor="white")
+            label = "scratch (slots alternate shades)" if i == 0 else None
+            ax.barh("scratch", slot.nbytes / mib, left=left, color=shade, linewidth=0, label=label)
             left += slot.nbytes / mib
-        for e in self.executables.values():
-            ax.barh(f"XLA temp ({e.name})", e.temp / mib, color="tab:green")
+        for i, e in enumerate(self.executables.values()):
+            label = "XLA temporaries" if i == 0 else None
+            ax.barh(f"XLA temp ({e.name})", e.temp / mib, color="tab:green", label=label)
         ax.axvline(self.total_bytes / mib, color="black", linestyle="--", label="whole bill")
         if self.budget is not None:
             ax.axvline(self.budget / mib, color="tab:red", label="budget")
