@@ -1,0 +1,179 @@
+"""The `jaxlm` command line: `generate`, `chat`, `plan` and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+CACHE_DIR = Path(os.environ.get("JAXLM_CACHE_DIR", Path.home() / ".cache" / "jaxlm"))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _dtype(name: str):
+    import jax.numpy as jnp
+
+    choices = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if name not in choices:
+        raise argparse.ArgumentTypeError(f"invalid dtype {name!r}; choose from {sorted(choices)}")
+    return choices[name]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M)")
+    p.add_argument("--dtype", type=_dtype, default="float32", help="float32, bfloat16, float16")
+
+
+def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling(args) -> dict:
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    return {name: getattr(args, name) for name in (*names, "seed", "stop")}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="jaxlm", description="Run Llama-family language models with JAX.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")
+    g.add_argument("prompt")
+    _model_options(g)
+    _sampling_options(g, max_new=64)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _model_options(c)
+    c.add_argument("--system", default=None, help="a system message")
+    _sampling_options(c, max_new=256)
+
+    pl = sub.add_parser("plan", help="print the memory plan without allocating the scratch")
+    _model_options(pl)
+    pl.add_argument("--max-batch", type=_positive_int, default=1)
+    pl.add_argument("--max-seq-len", type=_positive_int, default=None)
+    pl.add_argument("--budget", default=None, help="bytes or a size such as 1.5GiB")
+    pl.add_argument("--prefill-chunk", type=_positive_int, default=None)
+
+    b = sub.add_parser("bench", help="benchmark prefill and decode (see benchmarks/bench.py)")
+    _model_options(b)
+    from jaxlm.bench import add_arguments
+
+    add_arguments(b)
+    return p
+
+
+def enable_compilation_cache() -> None:
+    """Keep compiled executables on disk, so a second start skips XLA compilation."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _generate(args) -> None:
+    import jaxlm
+
+    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype)
+    for piece in jaxlm.stream(model, tokenizer, args.prompt, **_sampling(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _chat(args) -> None:
+    import jaxlm
+
+    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chat with the model; /reset starts over, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return
+        text = line.strip()
+        if text == "/exit":
+            return
+        if text == "/reset":
+            messages = list(system)
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = []
+        for piece in jaxlm.chat(model, tokenizer, messages, stream=True, **_sampling(args)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _plan(args) -> None:
+    from flax import nnx
+
+    import jaxlm
+    from jaxlm.loading import default_model_path, open_checkpoint
+
+    path = Path(args.model) if args.model else default_model_path()
+    config = jaxlm.ModelConfig.from_hf_config(open_checkpoint(path).config)
+    # The plan needs shapes only: an abstract model holds no weights.
+    model = nnx.eval_shape(lambda: jaxlm.LlamaForCausalLM(config, dtype=args.dtype))
+    plan = jaxlm.plan(
+        model,
+        max_batch=args.max_batch,
+        max_seq_len=args.max_seq_len,
+        budget=args.budget,
+        prefill_chunk=args.prefill_chunk,
+    )
+    print(plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    enable_compilation_cache()
+    commands = {"generate": _generate, "chat": _chat, "plan": _plan}
+    try:
+        if args.command == "bench":
+            from jaxlm.bench import run
+
+            run(args)
+        else:
+            commands[args.command](args)
+    except (ValueError, OSError) as e:
+        print(f"jaxlm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The `jaxlm` command line, run as a user would: in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REFERENCE_DIR
+
+JAXLM = Path(sys.executable).parent / "jaxlm"
+REFERENCE = json.loads((REFERENCE_DIR / "smollm2_llamacpp.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {**os.environ, "JAXLM_CACHE_DIR": str(tmp_path_factory.mktemp("jaxlm-cache"))}
+
+
+def run(env, *args, stdin=None):
+    return subprocess.run(
+        [str(JAXLM), *args], capture_output=True, text=True, env=env, input=stdin, timeout=600
+    )
+
+
+def test_generate_streams_the_reference_continuation(env):
+    case = REFERENCE["generations"][0]
+    out = run(env, "generate", case["prompt"], "--max-new-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(" Paris.\n\nThe answer is")
+    assert "Loading weights" not in out.stderr  # no progress bar when not on a terminal
+
+
+def test_python_dash_m(env):
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxlm", "generate", "def fibonacci(n):", "--max-new-tokens", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("\n    if n")
+
+
+def test_chat_session(env):
+    out = run(env, "chat", "--max-new-tokens", "4", stdin="Hi!\n/reset\nHello\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip().splitlines()) >= 2
+
+
+def test_plan_prints_the_bill_without_loading_weights(env):
+    out = run(env, "plan", "--max-batch", "2", "--max-seq-len", "512")
+    assert out.returncode == 0, out.stderr
+    assert "model.layers.29.self_attn" in out.stdout
+    assert "[6, 64, 512]" in out.stdout
+    assert "whole bill" in out.stdout
+
+
+def test_plan_over_budget(env):
+    out = run(env, "plan", "--max-seq-len", "8192", "--budget", "600MiB")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1
+    assert "over the budget" in out.stderr and "`max_seq_len=" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("generate", "Hi", "--model", "/no/such/model.gguf"), "/no/such/model.gguf"),
+        (("generate", "Hi", "--max-new-tokens", "0"), "--max-new-tokens"),
+        (("generate", "Hi", "--temperature", "warm"), "--temperature"),
+        (("generate", "Hi", "--top-p", "1.5"), "`top_p`"),
+        (("generate", "Hi", "--dtype", "int4"), "--dtype"),
+        (("translate", "Hi"), "invalid choice: 'translate'"),
+        ((), "the following arguments are required"),
+    ],
+)
+def test_errors_are_one_line_with_exit_code_2(env, args, message):
+    out = run(env, *args)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
