@@ -1,0 +1,101 @@
+"""The benchmarks run end to end on a tiny model, so they cannot rot: structure only, no timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+import torch
+from conftest import make_hf_model
+
+from jaxlm import bench, cli
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """Import `benchmarks/<name>.py`, which is a script folder, not a package."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """Give torch its thread count back after a benchmark set its own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory):
+    """A tiny Llama with tied embeddings and linear RoPE scaling, saved by transformers."""
+    path = tmp_path_factory.mktemp("bench_model")
+    make_hf_model(path, "llama_gqa3_tied_linear")
+    return path
+
+
+def test_bench_writes_json_and_prints_tables(tiny_tied, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_tied), "--batch", "2", "--prompt-len", "5"]
+    argv += ["--new-tokens", "4", "--repeats", "1", "--bandwidth-mib", "8", "--json", str(out)]
+    argv += ["--vs", "transformers", "--vs", "llama.cpp"]
+    cache_dir = jax.config.jax_compilation_cache_dir
+    report = bench.run(cli.parser().parse_args(argv))
+    printed = capsys.readouterr().out
+
+    assert jax.config.jax_compilation_cache_dir == cache_dir
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))
+    assert set(data) >= {"machine", "model", "bandwidth", "baseline_rss_bytes", "cells"}
+    assert data["bandwidth"]["bytes_per_s"] > 0
+    assert data["model"]["weights_bytes"] == data["model"]["weights_read_per_step_bytes"] > 0
+    # The grid has no batch 1 and the model is no GGUF file: llama.cpp is skipped, with a reason.
+    assert "llama.cpp" in data["skipped"]
+    (cell,) = data["cells"]
+    assert (cell["batch"], cell["prompt_len"], cell["new_tokens"]) == (2, 5, 4)
+    j = cell["jaxlm"]
+    for key in ("prefill_tok_s", "ttft_s", "first_call_cold_s", "first_call_cached_s"):
+        assert j[key] > 0, key
+    for key in ("peak_rss_bytes", "rss_bytes", "plan_total_bytes", "bandwidth_limit_steps_s"):
+        assert j[key] > 0, key
+    assert j["compiles_cold"] >= 1
+    assert j["predicted_peak_bytes"] == data["baseline_rss_bytes"] + j["plan_total_bytes"]
+    # Decode rates come from a difference of times, which noise may make meaningless here.
+    assert j["decode_tok_s"] is None or j["decode_tok_s"] > 0
+    assert cell["transformers"]["prefill_tok_s"] > 0
+    ratios = cell["ratios"]["transformers"]
+    assert len(ratios["prefill_tok_s"]["pairs"]) == 1
+    # The same weights give the same greedy tokens: the conversion to transformers is right.
+    assert ratios["same_tokens"] == 4
+    for text in ("prefill tok/s", "decode tok/s", "transformers", "llama.cpp", "jaxlm/it decode"):
+        assert text in printed, text
+
+
+def test_gil_benchmark_measures_every_workload(tiny_tied):
+    gil = load_benchmark("gil")
+    results = gil.run(str(tiny_tied), prompt_len=5, new_tokens=4, seconds=0.05, repeats=1)
+    assert set(results["workloads"]) == {"generate", "python loop", "transformers"}
+    assert results["busy_alone_it_s"] > 0
+    for w in results["workloads"].values():
+        assert w["alone_tok_s"] > 0
+        assert w["beside_tok_s"] > 0
+        assert w["busy_beside_it_s"] > 0
+    table = gil.format_table(results)
+    assert "python loop" in table
+    assert "busy beside/alone" in table
+
+
+def test_memory_plan_runs_a_size_in_a_child_process(tiny_tied, capsys):
+    memory_plan = load_benchmark("memory_plan")
+    # 2 layers x 2 KV heads x 8 dims x 2 (K and V) x 4 bytes: 64 KiB is 256 slots.
+    assert memory_plan.main(["--model", str(tiny_tied), "--sizes", "0.0625", "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "not donated ms" in printed
+    row = printed.splitlines()[2].split()
+    assert row[1] == "256"
