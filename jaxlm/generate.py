@@ -64,7 +64,7 @@ class _Request:
     seed: int
 
 
-def _per_row(name: str, value, n: int, default, dtype, check) -> np.ndarray:
+def _per_row(name: str, value, n: int, default, dtype, check, limit: str) -> np.ndarray:
     values = [value] * n if value is None or np.isscalar(value) else list(value)
     if len(values) != n:
         raise ValueError(f"`{name}` has {len(values)} values for {n} prompts")
@@ -74,24 +74,34 @@ def _per_row(name: str, value, n: int, default, dtype, check) -> np.ndarray:
         if isinstance(v, bool) or not isinstance(v, int | float | np.number):
             raise ValueError(f"`{name}` must be a number, got {v!r}")
         if not check(v):
-            raise ValueError(f"`{name}` {_LIMITS[name]}, got {v!r}")
+            raise ValueError(f"`{name}` {limit}, got {v!r}")
         out.append(v)
     return np.asarray(out, dtype)
 
 
-_LIMITS = {
-    "temperature": "must be a finite number >= 0",
-    "top_k": "must be an integer >= 0 (0 or None: off)",
-    "top_p": "must be in (0, 1]",
-    "min_p": "must be in [0, 1]",
-    "repetition_penalty": "must be a finite number > 0",
-}
+# Per sampling parameter: the value that turns it off, its dtype, its check and the limit a
+# failed check names.
 _CHECKS = {
-    "temperature": (0.0, np.float32, lambda v: math.isfinite(v) and v >= 0),
-    "top_k": (0, np.int32, lambda v: float(v).is_integer() and 0 <= v < 2**31),
-    "top_p": (1.0, np.float32, lambda v: 0 < v <= 1),
-    "min_p": (0.0, np.float32, lambda v: 0 <= v <= 1),
-    "repetition_penalty": (1.0, np.float32, lambda v: math.isfinite(v) and v > 0),
+    "temperature": (
+        0.0,
+        np.float32,
+        lambda v: math.isfinite(v) and v >= 0,
+        "must be a finite number >= 0",
+    ),
+    "top_k": (
+        0,
+        np.int32,
+        lambda v: float(v).is_integer() and 0 <= v < 2**31,
+        "must be an integer >= 0 (0 or None: off)",
+    ),
+    "top_p": (1.0, np.float32, lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "min_p": (0.0, np.float32, lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "repetition_penalty": (
+        1.0,
+        np.float32,
+        lambda v: math.isfinite(v) and v > 0,
+        "must be a finite number > 0",
+    ),
 }
 
 
