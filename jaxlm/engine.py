@@ -84,8 +84,13 @@ def _sample_next(scratch, logits, params, stop_ids):
     index = m["cache_index"]
     slots = jnp.arange(d["tokens"].shape[1])
     seen = (slots[None, :] >= m["cache_start"][:, None]) & (slots[None, :] < index)
-    logits = sampling.apply_repetition_penalty(
-        logits, d["tokens"], seen, params["repetition_penalty"]
+    penalty = params["repetition_penalty"]
+    # The penalty scatters over the whole vocabulary; most requests do not use it.
+    logits = jax.lax.cond(
+        jnp.any(penalty != 1.0),
+        lambda x: sampling.apply_repetition_penalty(x, d["tokens"], seen, penalty),
+        lambda x: x,
+        logits,
     )
     step = index - d["prompt_end"]
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(d["rng"], step)
