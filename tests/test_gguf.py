@@ -1128,3 +1128,25 @@ def test_unsupported_tokenizer(tmp_path):
 def test_unsupported_pre_tokenizer(tmp_path, smollm2_vocab):
     with pytest.raises(LoadError, match=r"`no-such-pre`"):
         bpe_gguf(tmp_path / "m.gguf", smollm2_vocab, "no-such-pre")
+
+
+def test_benchmark_converter_writes_float_copies(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "convert_gguf", pathlib.Path(__file__).parent.parent / "benchmarks" / "convert_gguf.py"
+    )
+    converter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(converter)
+    source = tmp_path / "tiny.gguf"
+    write_tiny_llama(source, np.random.default_rng(0))
+    original = open_gguf(source)
+    for kind, dtype in (("f32", np.float32), ("f16", np.float16)):
+        target = tmp_path / f"tiny-{kind}.gguf"
+        converter.convert(source, target, kind)
+        copy = open_gguf(target)
+        assert copy.config == original.config
+        assert copy.names() == original.names()
+        for name in original.names():
+            want = original.read(name)
+            if want.ndim == 2:
+                want = want.astype(dtype).astype(np.float32)
+            np.testing.assert_array_equal(copy.read(name), want)
