@@ -61,15 +61,26 @@ class ModelConfig:
             "num_attention_heads",
             "num_key_value_heads",
             "head_dim",
+            "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise LoadError(f"`{name}` must be a positive integer, got {value!r}")
+            _positive_int(getattr(self, name), name)
         if self.num_attention_heads % self.num_key_value_heads:
             raise LoadError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
                 f"`num_key_value_heads` ({self.num_key_value_heads})"
             )
+        if self.head_dim % 2:
+            raise LoadError(f"`head_dim` must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise LoadError(f"`rope_theta` must be positive, got {self.rope_theta!r}")
+        if not self.rms_norm_eps >= 0:
+            raise LoadError(f"`rms_norm_eps` must be >= 0, got {self.rms_norm_eps!r}")
+        if self.sliding_window is not None:
+            _positive_int(self.sliding_window, "sliding_window")
+        if self.bos_token_id is not None:
+            _token_id(self.bos_token_id, "bos_token_id")
+        for token in self.eos_token_id:
+            _token_id(token, "eos_token_id")
 
     @property
     def num_kv_groups(self) -> int:
@@ -107,8 +118,10 @@ class ModelConfig:
             raise LoadError(f"unsupported `hidden_act` {config['hidden_act']!r}; only `silu`")
         if config.get("pretraining_tp", 1) != 1:
             raise LoadError("`pretraining_tp` other than 1 is not supported")
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or _int_div(config["hidden_size"], heads, "hidden_size")
+        heads = _positive_int(config["num_attention_heads"], "num_attention_heads")
+        head_dim = config.get("head_dim") or _int_div(
+            _positive_int(config["hidden_size"], "hidden_size"), heads, "hidden_size"
+        )
         rope_theta, scaling = _rope_settings(config)
         if model_type == "qwen2" and config.get("use_sliding_window"):
             raise LoadError("Qwen2 `use_sliding_window` is not supported")
@@ -129,10 +142,10 @@ class ModelConfig:
             rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            max_position_embeddings=_default(config, "max_position_embeddings", 2048),
+            tie_word_embeddings=_bool(config, "tie_word_embeddings"),
+            attention_bias=model_type == "qwen2" or _bool(config, "attention_bias"),
+            mlp_bias=_bool(config, "mlp_bias"),
             qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,
             bos_token_id=config.get("bos_token_id"),
@@ -167,6 +180,31 @@ class ModelConfig:
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
 
+def _positive_int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LoadError(f"`{name}` must be a positive integer, got {value!r}")
+    return value
+
+
+def _token_id(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise LoadError(f"`{name}` must be a token id (an integer >= 0), got {value!r}")
+    return value
+
+
+def _bool(config: dict[str, Any], name: str) -> bool:
+    value = _default(config, name, False)
+    # Some older configs write flags as 0 and 1.
+    if value not in (True, False) or not isinstance(value, bool | int):
+        raise LoadError(f"`{name}` must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _default(config: dict[str, Any], name: str, default):
+    value = config.get(name)
+    return default if value is None else value
+
+
 def _int_div(a: int, b: int, name: str) -> int:
     if a % b:
         raise LoadError(f"`{name}` ({a}) is not divisible by `num_attention_heads` ({b})")
@@ -181,12 +219,17 @@ def _number(value, name: str) -> float:
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
     params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" not in params and "rope_type" not in params:
+    key = "rope_parameters"
+    if params is None:
+        params, key = config.get("rope_scaling"), "rope_scaling"
+    if params is not None and not isinstance(params, dict):
+        raise LoadError(f"`{key}` must be a JSON object, got {params!r}")
+    if key == "rope_parameters" and "rope_theta" not in params and "rope_type" not in params:
         raise LoadError("per-layer-type `rope_parameters` are not supported")
-    params = dict(params or config.get("rope_scaling") or {})
+    params = dict(params or {})
     theta = _number(params.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise LoadError(
             f"unsupported RoPE scaling type {rope_type!r}; jaxlm supports "
             + ", ".join(f"`{t}`" for t in SUPPORTED_ROPE_TYPES)
@@ -195,13 +238,24 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
         return theta, RopeScaling()
     if "factor" not in params:
         raise LoadError(f"RoPE scaling `{rope_type}` needs a `factor`")
+    original = params.get("original_max_position_embeddings")
+    if original is not None:
+        _positive_int(original, "original_max_position_embeddings")
     scaling = RopeScaling(
         rope_type=rope_type,
         factor=_number(params["factor"], "factor"),
         low_freq_factor=_number(params.get("low_freq_factor", 1.0), "low_freq_factor"),
         high_freq_factor=_number(params.get("high_freq_factor", 4.0), "high_freq_factor"),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        original_max_position_embeddings=original,
     )
-    if rope_type == "llama3" and scaling.original_max_position_embeddings is None:
-        raise LoadError("RoPE scaling `llama3` needs `original_max_position_embeddings`")
+    if not scaling.factor > 0:
+        raise LoadError(f"RoPE scaling `factor` must be positive, got {scaling.factor!r}")
+    if rope_type == "llama3":
+        if original is None:
+            raise LoadError("RoPE scaling `llama3` needs `original_max_position_embeddings`")
+        if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+            raise LoadError(
+                "RoPE scaling `llama3` needs 0 < `low_freq_factor` < `high_freq_factor`, got "
+                f"{scaling.low_freq_factor!r} and {scaling.high_freq_factor!r}"
+            )
     return theta, scaling

@@ -22,6 +22,27 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
+def _compile_template(template: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
+def check_chat_template(template, source) -> None:
+    """Raise `LoadError` naming `source` unless `template` is a Jinja template that parses."""
+    if not isinstance(template, str):
+        raise LoadError(
+            f"{source}: `chat_template` should be a string, not {type(template).__name__}"
+        )
+    try:
+        _compile_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise LoadError(f"{source}: `chat_template` does not parse ({e})") from None
+
+
 class Tokenizer:
     """Text to token ids and back, with the model's special tokens and chat template.
 
@@ -69,7 +90,15 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """The text of token ids; bytes that do not form valid UTF-8 decode to U+FFFD.
+
+        Ids the tokenizer does not know (a model's vocabulary may be larger) decode to nothing.
+        """
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < 2**32]
+        if bad:
+            raise ValueError(f"token ids must be in [0, 2**32), got {bad}")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs
@@ -78,12 +107,7 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no `chat_template`; pass a plain prompt instead")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(self.chat_template)
+            self._template = _compile_template(self.chat_template)
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -111,26 +135,45 @@ class Tokenizer:
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
             try:
-                config = json.loads(config_file.read_text())
-            except json.JSONDecodeError as e:
+                config = json.loads(config_file.read_bytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise LoadError(f"{config_file}: not valid JSON ({e})") from None
+            if not isinstance(config, dict):
+                raise LoadError(f"{config_file}: should hold a JSON object")
 
-        def token_id(entry):
+        def token_id(key: str) -> int | None:
+            entry = config.get(key)
             if isinstance(entry, dict):
                 entry = entry.get("content")
-            return None if entry is None else backend.token_to_id(entry)
+            if entry is None:
+                return None
+            if not isinstance(entry, str):
+                raise LoadError(f"{config_file}: `{key}` should be a token's text, got {entry!r}")
+            return backend.token_to_id(entry)
 
         eos = list(eos_token_ids)
-        named_eos = token_id(config.get("eos_token"))
+        named_eos = token_id("eos_token")
         if named_eos is not None and named_eos not in eos:
             eos.insert(0, named_eos)
-        template = config.get("chat_template")
+        template, template_source = config.get("chat_template"), config_file
         template_file = path / "chat_template.jinja"
         if template is None and template_file.is_file():
-            template = template_file.read_text()
+            try:
+                template = template_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise LoadError(f"{template_file}: not valid UTF-8 ({e})") from None
+            template_source = template_file
+        if isinstance(template, list):
+            # Hugging Face also writes a list of named templates; the default one is the chat's.
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+            if template is None:
+                raise LoadError(f"{config_file}: `chat_template` has no template named `default`")
+        if template is not None:
+            check_chat_template(template, template_source)
         return cls(
             backend,
-            bos_token_id=token_id(config.get("bos_token")),
+            bos_token_id=token_id("bos_token"),
             eos_token_ids=eos,
             chat_template=template,
         )

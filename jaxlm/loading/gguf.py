@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from jaxlm.errors import LoadError
-from jaxlm.tokenizer import Tokenizer
+from jaxlm.tokenizer import Tokenizer, check_chat_template
 
 __all__ = ["GGUFCheckpoint", "open_gguf", "unpermute_qk"]
 
@@ -64,6 +64,7 @@ _TENSOR_NAMES = {
 }
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 # Token types, numbered as in `gguf.TokenType`.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -313,6 +314,14 @@ class GGUFCheckpoint:
         """The Hugging Face names of the tensors, in file order."""
         return list(self._tensors)
 
+    def file(self, name: str) -> pathlib.Path:
+        """The file that holds tensor `name`: this one."""
+        return self.path
+
+    def file_name(self, name: str) -> str:
+        """The GGUF name of tensor `name`."""
+        return self._tensor(name).name
+
     def _tensor(self, name: str):
         tensor = self._tensors.get(name)
         if tensor is None:
@@ -413,12 +422,27 @@ def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
             f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})"
         ) from None
     size = path.stat().st_size
+    # llama.cpp requires the tensors' data in table order, each padded to the alignment; any
+    # other offset is a corrupt table entry that would read another tensor's bytes.
+    expected = 0
     for tensor in reader.tensors:
+        offset = tensor.data_offset - reader.data_offset
+        if offset != expected:
+            raise LoadError(
+                f"{path}: corrupt GGUF tensor table (tensor `{tensor.name}` starts at byte "
+                f"{offset} of the data section, where llama.cpp's layout puts it at {expected})"
+            )
         if tensor.data_offset + tensor.n_bytes > size:
             raise LoadError(
                 f"{path}: truncated GGUF file (tensor `{tensor.name}` ends at byte "
                 f"{tensor.data_offset + tensor.n_bytes}, the file has {size})"
             )
+        expected += -(-int(tensor.n_bytes) // reader.alignment) * reader.alignment
+    if reader.tensors and size > reader.data_offset + expected:
+        raise LoadError(
+            f"{path}: corrupt GGUF tensor table ({size - reader.data_offset - expected} bytes "
+            "follow the last tensor's data)"
+        )
     return reader
 
 
@@ -635,6 +659,14 @@ def _check_tensors(path: pathlib.Path, config: dict, tensors: dict) -> None:
     if not config["tie_word_embeddings"]:
         expected["lm_head.weight"] = (vocab, hidden)
     model_type = config["model_type"]
+    layers = {int(m[1]) for m in map(_HF_LAYER_NAME.match, tensors) if m}
+    n = config["num_hidden_layers"]
+    # Distinct indices from 0, as many as the layers: exactly `range(n)`, without building it.
+    if len(layers) != n or max(layers, default=-1) != n - 1:
+        raise LoadError(
+            f"{path}: metadata `{model_type}.block_count` is {config['num_hidden_layers']}, but "
+            f"the file has tensors for {len(layers)} layers"
+        )
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         expected |= {
@@ -771,12 +803,10 @@ def _tokenizer(meta: _Metadata, tokens: list[str] | None, vocab_size: int) -> To
         )
     if backend.get_vocab_size(with_added_tokens=True) > vocab_size:
         raise LoadError(f"{path}: the tokenizer has more tokens than the model's vocabulary")
-    return Tokenizer(
-        backend,
-        bos_token_id=bos,
-        eos_token_ids=eos_ids,
-        chat_template=meta.str_value("tokenizer.chat_template", None),
-    )
+    template = meta.str_value("tokenizer.chat_template", None)
+    if template is not None:
+        check_chat_template(template, path)
+    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template)
 
 
 def _special_token(path: pathlib.Path, tokens: list[str], token: int | None, key: str) -> str:

@@ -13,10 +13,14 @@ from jaxlm.tokenizer import Tokenizer
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON file holding an object."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: should hold a JSON object, not {type(data).__name__}")
+    return data
 
 
 class HFCheckpoint:
@@ -32,8 +36,10 @@ class HFCheckpoint:
         index_file = self.path / "model.safetensors.index.json"
         if index_file.is_file():
             weight_map = _read_json(index_file).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise LoadError(f"{index_file}: no `weight_map`")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise LoadError(f"{index_file}: no `weight_map` of tensor names to file names")
             self._files = {name: self.path / file for name, file in weight_map.items()}
         elif (self.path / "model.safetensors").is_file():
             file = self.path / "model.safetensors"
@@ -42,11 +48,15 @@ class HFCheckpoint:
             raise FileNotFoundError(
                 f"{self.path}: no `model.safetensors` or `model.safetensors.index.json`"
             )
-        eos = self.config.get("eos_token_id")
+        eos, eos_file = self.config.get("eos_token_id"), config_file
         generation_file = self.path / "generation_config.json"
         if generation_file.is_file():
-            eos = _read_json(generation_file).get("eos_token_id", eos)
+            generation = _read_json(generation_file)
+            if "eos_token_id" in generation:
+                eos, eos_file = generation["eos_token_id"], generation_file
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+            raise LoadError(f"{eos_file}: `eos_token_id` must be a token id or a list of them")
         self.tokenizer = Tokenizer.from_hf_dir(self.path, eos_token_ids=eos)
 
     def _handle(self, file: Path):
@@ -62,6 +72,14 @@ class HFCheckpoint:
 
     def names(self) -> list[str]:
         return list(self._files)
+
+    def file(self, name: str) -> Path:
+        """The file that holds tensor `name`."""
+        return self._files[name]
+
+    def file_name(self, name: str) -> str:
+        """The name of tensor `name` in its file: the same."""
+        return name
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
