@@ -20,6 +20,7 @@ The generation loop keeps its state in the `"decode"` part of the scratch:
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import jax
@@ -205,13 +206,15 @@ def _generate(model, scratch, prompt, lengths, rng, params, stop_ids, limit, chu
 
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()
 
 
 def engine_of(model: nnx.Module) -> Engine:
-    """The engine of `model`, made once per model object."""
-    engine = _ENGINES.get(model)
-    if engine is None:
-        engine = _ENGINES[model] = Engine(model)
+    """The engine of `model`, made once per model object, also when threads ask at once."""
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(model)
+        if engine is None:
+            engine = _ENGINES[model] = Engine(model)
     return engine
 
 

@@ -73,7 +73,12 @@ def _per_row(name: str, value, n: int, default, dtype, check, limit: str) -> np.
         v = default if v is None else v
         if isinstance(v, bool) or not isinstance(v, int | float | np.number):
             raise ValueError(f"`{name}` must be a number, got {v!r}")
-        if not check(v):
+        try:
+            ok = check(v)
+        except OverflowError:
+            # An integer beyond float range, which no check accepts.
+            ok = False
+        if not ok:
             raise ValueError(f"`{name}` {limit}, got {v!r}")
         out.append(v)
     return np.asarray(out, dtype)
@@ -106,8 +111,15 @@ _CHECKS = {
 
 
 def _prompt_ids(tokenizer, prompts) -> tuple[list[list[int]], bool]:
+    if isinstance(prompts, bytes | bytearray) or not isinstance(
+        prompts, str | Sequence | np.ndarray
+    ):
+        raise ValueError(
+            "`prompts` must be a string, a list of token ids or a list of such, "
+            f"got {type(prompts).__name__}"
+        )
     single = isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and len(prompts) > 0 and _is_int(prompts[0])
+        isinstance(prompts, Sequence | np.ndarray) and len(prompts) > 0 and _is_int(prompts[0])
     )
     items = [prompts] if single else list(prompts)
     if not items:
@@ -150,6 +162,8 @@ def _request(model, tokenizer, prompts, **kw) -> _Request:
     if stop_ids is None:
         stop_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         stop_ids = stop_ids or model.config.eos_token_id
+    if not isinstance(stop_ids, Sequence | np.ndarray) or not all(_is_int(t) for t in stop_ids):
+        raise ValueError(f"`stop_token_ids` must be a list of token ids, got {stop_ids!r}")
     stop_ids = [int(t) for t in stop_ids]
     if any(not 0 <= t < vocab for t in stop_ids):
         raise ValueError(f"`stop_token_ids` must be in [0, {vocab}), got {stop_ids}")
@@ -157,6 +171,8 @@ def _request(model, tokenizer, prompts, **kw) -> _Request:
     padded = np.full((size,), -1, np.int32)
     padded[: len(stop_ids)] = stop_ids
     stop = kw["stop"]
+    if stop is not None and not isinstance(stop, str | Sequence):
+        raise ValueError(f"`stop` must be a non-empty string or a list of them, got {stop!r}")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError("`stop` must be a non-empty string or a list of them")
@@ -165,6 +181,13 @@ def _request(model, tokenizer, prompts, **kw) -> _Request:
     seed = kw["seed"]
     if not _is_int(seed):
         raise ValueError(f"`seed` must be an integer, got {seed!r}")
+    longest, context = max(len(p) for p in ids), model.config.max_position_embeddings
+    if kw["plan"] is None and longest + max_new > context:
+        # Without a plan, the request would size its own cache: refuse it before planning.
+        raise ValueError(
+            f"prompt of {longest} tokens + `max_new_tokens={max_new}` exceeds the model's "
+            f"`max_position_embeddings={context}`; pass a `plan` to go beyond it"
+        )
     return _Request(ids, single, max_new, sampling, padded, stop, int(seed))
 
 
@@ -323,6 +346,7 @@ def generate(
         seed=seed,
         stop_token_ids=stop_token_ids,
         stop=stop,
+        plan=plan,
     )
     batch, p, seq, chunk = _shapes(req, plan)
     the_plan = _plan_for(model, batch, p, seq, chunk, plan, "generate")
@@ -431,6 +455,7 @@ def stream(
         seed=seed,
         stop_token_ids=stop_token_ids,
         stop=stop,
+        plan=plan,
     )
     return _stream(model, tokenizer, req, plan, chunk_tokens)
 
