@@ -500,6 +500,7 @@ def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: i
         )
 
 
+# `chat` takes a `stream` argument, which hides the function of that name inside it.
 _stream_text = stream
 
 
