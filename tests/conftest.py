@@ -24,6 +24,26 @@ BASE = dict(
     rms_norm_eps=1e-5,
 )
 
+# The full-size Llama-3.1-8B config, for abstract models.
+LLAMA_31_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+)
+
 # Each family: (transformers config class, model class, config overrides).
 FAMILIES = {
     "llama_gqa4": ("LlamaConfig", "LlamaForCausalLM", {}),

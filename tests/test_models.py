@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, hf_logits, make_hf_model, padded_batch, rewrite_config
+from conftest import (
+    FAMILIES,
+    LLAMA_31_8B,
+    hf_logits,
+    make_hf_model,
+    padded_batch,
+    rewrite_config,
+)
 from flax import nnx
 
 import jaxlm
@@ -105,27 +112,7 @@ def test_positions_default_to_each_rows_first_token(tiny_llama):
 
 FULL_SIZE = {
     # Published parameter counts (model cards / safetensors metadata on the Hub).
-    "Llama-3.1-8B": (
-        8_030_261_248,
-        dict(
-            model_type="llama",
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            max_position_embeddings=131072,
-        ),
-    ),
+    "Llama-3.1-8B": (8_030_261_248, LLAMA_31_8B),
     "Qwen2.5-7B": (
         7_615_616_512,
         dict(

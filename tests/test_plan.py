@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import LLAMA_31_8B, make_hf_model
 from flax import nnx
 
 import jaxlm
@@ -142,18 +142,7 @@ def test_bfloat16_cache_is_stored_as_uint16_bits(tmp_path):
 
 
 def test_eight_billion_plan_without_allocating():
-    config = ModelConfig.from_hf_config(
-        dict(
-            model_type="llama",
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=131072,
-        )
-    )
+    config = ModelConfig.from_hf_config(LLAMA_31_8B)
     gc.collect()
     live_before = len(jax.live_arrays())
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16))
