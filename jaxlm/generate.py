@@ -255,6 +255,12 @@ def request_plan(
     return _plan_for(model, rows, p, seq, chunk, None, step)
 
 
+def _prepare(model, req: _Request, given: Plan | None, step: str) -> tuple[Plan, int, dict]:
+    """The plan of a request, its prefill chunk, and its padded inputs."""
+    batch, p, seq, chunk = _shapes(req, given)
+    return _plan_for(model, batch, p, seq, chunk, given, step), chunk, _inputs(req, batch, p)
+
+
 def _inputs(req: _Request, batch: int, p: int) -> dict:
     n = len(req.prompts)
     prompt = np.zeros((batch, p), np.int32)
@@ -348,10 +354,8 @@ def generate(
         stop=stop,
         plan=plan,
     )
-    batch, p, seq, chunk = _shapes(req, plan)
-    the_plan = _plan_for(model, batch, p, seq, chunk, plan, "generate")
+    the_plan, chunk, x = _prepare(model, req, plan, "generate")
     engine = the_plan.engine
-    x = _inputs(req, batch, p)
     scratch = engine.generate(
         engine.params,
         the_plan.take(),
@@ -461,10 +465,8 @@ def stream(
 
 
 def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: int):
-    batch, p, seq, chunk = _shapes(req, given)
-    the_plan = _plan_for(model, batch, p, seq, chunk, given, "decode")
+    the_plan, chunk, x = _prepare(model, req, given, "decode")
     engine = the_plan.engine
-    x = _inputs(req, batch, p)
     n = len(req.prompts)
     detok = [_Detokenizer(tokenizer, req.stop) for _ in range(n)]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
