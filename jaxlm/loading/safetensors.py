@@ -90,3 +90,18 @@ class HFCheckpoint:
             return self._handle(file).get_tensor(name)
         except SafetensorError as e:
             raise LoadError(f"{file}: cannot read tensor `{name}` ({e})") from None
+
+    def slicer(self, name: str):
+        """A function from an index (a tuple of slices) to that piece of tensor `name`, read
+        from the file without reading the rest.
+        """
+        file = self._files[name]
+        tensor = self._handle(file).get_slice(name)
+
+        def read(index):
+            try:
+                return tensor[index]
+            except SafetensorError as e:
+                raise LoadError(f"{file}: cannot read tensor `{name}` ({e})") from None
+
+        return read

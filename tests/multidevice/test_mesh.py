@@ -1,0 +1,202 @@
+"""Sharded models on a mesh of 4 simulated CPU devices, against the same model on one device.
+
+XLA fixes the number of host devices when it starts, so these tests run in a process of their
+own with `XLA_FLAGS=--xla_force_host_platform_device_count=4` (`tests/test_sharding.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_hf_model
+from jax.sharding import PartitionSpec as P
+
+import jaxlm
+from jaxlm.memory import format_bytes
+
+MESHES = [(1, 4), (2, 2), (4, 1)]
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [40, 41, 42, 43]]
+
+
+def test_four_devices():
+    assert jax.device_count() == 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny saved models: GQA 4:1 (2 KV heads), Qwen2 (tied, q/k/v biases), Qwen3 (q/k norms)."""
+    paths = {}
+    for family in ("llama_gqa4", "qwen2", "qwen3"):
+        paths[family] = tmp_path_factory.mktemp(family)
+        make_hf_model(paths[family], family)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def single(saved):
+    """Logits and greedy tokens of each model on one device."""
+    ids = np.random.default_rng(0).integers(0, 96, (4, 9))
+    results = {}
+    for family, path in saved.items():
+        model, _ = jaxlm.load(path)
+        out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
+        results[family] = (ids, np.asarray(model(ids)), out.token_ids)
+    return results
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("family", ["llama_gqa4", "qwen2", "qwen3"])
+def test_sharded_model_equals_single_device(saved, single, family, mesh):
+    ids, logits, tokens = single[family]
+    model, _ = jaxlm.load(saved[family], mesh=mesh)
+    np.testing.assert_allclose(np.asarray(model(ids)), logits, atol=1e-5, rtol=0)
+    out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    assert out.token_ids == tokens
+
+
+def test_stream_on_a_mesh(tiny_chat):
+    prompts = ["The capital of France", "Once upon a time"]
+    kw = dict(max_new_tokens=20, stop_token_ids=[])
+    model, tokenizer = jaxlm.load(tiny_chat)
+    expected = jaxlm.generate(model, tokenizer, prompts, **kw).texts
+    model, tokenizer = jaxlm.load(tiny_chat, mesh=(2, 2))
+    pieces = list(jaxlm.stream(model, tokenizer, prompts, chunk_tokens=6, **kw))
+    assert ["".join(row) for row in zip(*pieces, strict=True)] == expected
+
+
+def test_shard_moves_a_loaded_model(saved, single):
+    ids, logits, _ = single["qwen2"]
+    model, _ = jaxlm.load(saved["qwen2"])
+    sharded = jaxlm.shard(model, (2, 2))
+    np.testing.assert_allclose(np.asarray(sharded(ids)), logits, atol=1e-5, rtol=0)
+    q = sharded.model.layers[0].self_attn.q_proj.weight[...]
+    assert q.sharding.spec == P(None, "model")
+
+
+def _by_device(arrays) -> dict:
+    held: dict = {}
+    for x in jax.tree.leaves(arrays):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def test_arrays_have_the_planned_sharding_and_bytes(saved):
+    # 8 query heads and 2 KV heads on a (data=2, model=2) mesh: the KV heads split.
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(2, 2))
+    attn = model.model.layers[0].self_attn
+    expected = [
+        (attn.q_proj.weight, P(None, "model")),
+        (attn.k_proj.weight, P(None, "model")),
+        (attn.o_proj.weight, P("model", None)),
+        (model.model.layers[0].mlp.down_proj.weight, P("model", None)),
+        (model.model.embed_tokens.weight, P("model", None)),
+        (model.lm_head.weight, P(None, "model")),
+    ]
+    for var, spec in expected:
+        assert var[...].sharding.spec == spec
+    assert model.model.norm.weight[...].sharding.is_fully_replicated
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
+    scratch = plan.allocate()
+    for slot in plan.layout.slots:
+        leaf = scratch
+        for key in slot.path:
+            leaf = leaf[key]
+        assert leaf.sharding.is_equivalent_to(slot.sharding, len(slot.shape)), slot.path
+    # Keys of layer 0: [2 rows * 2 KV heads, head_dim 8, 32 slots] float32 = 4096 bytes, one
+    # (row, head) block of 1024 bytes per device.
+    k = scratch["model"]["layers"][0]["self_attn"]["k_cache"]
+    assert k.shape == (4, 8, 32) and {s.data.shape for s in k.addressable_shards} == {(1, 8, 32)}
+    assert plan.kv_cache_bytes == 2 * 2 * 1024
+    assert set(_by_device(scratch).values()) == {plan.scratch_bytes}
+    assert set(_by_device(jax.tree.leaves(plan.engine.params)).values()) == {plan.weights_bytes}
+    # Weights split 4 ways hold less than a whole copy per device.
+    single = sum(x.nbytes for x in jax.tree.leaves(plan.engine.params))
+    assert plan.weights_bytes < single
+    assert "mesh data=2 x model=2" in str(plan)
+
+
+def test_too_few_kv_heads_are_replicated(saved):
+    # 2 KV heads cannot split 4 ways: every device keeps both, with its own 2 query heads.
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight[...].sharding.spec == P(None, "model")
+    assert attn.k_proj.weight[...].sharding.spec == P(None, None)
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
+    k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_cache"]
+    assert {s.data.shape for s in k.addressable_shards} == {(4, 8, 32)}
+
+
+def _pointers(scratch) -> list:
+    return [
+        sorted(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+        for x in jax.tree.leaves(scratch)
+    ]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_donation_keeps_every_shard_in_place(saved, mesh):
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=mesh)
+    plan = jaxlm.plan(model, max_batch=4, max_seq_len=32)
+    scratch = plan.allocate()
+    before = _pointers(scratch)
+    scratch, logits = plan.prefill(scratch, np.array(PROMPTS[1:2] * 4))
+    assert _pointers(scratch) == before
+    scratch, _ = plan.decode(scratch, np.argmax(np.asarray(logits), -1))
+    assert _pointers(scratch) == before
+
+
+def test_model_axis_must_divide_the_heads(saved, tmp_path):
+    make_hf_model(tmp_path, "llama_gqa3_tied_linear")  # 6 attention heads
+    with pytest.raises(
+        jaxlm.ShardingError, match=r"`model` has 4 devices.*`num_attention_heads=6`"
+    ):
+        jaxlm.load(tmp_path, mesh=(1, 4))
+    model, _ = jaxlm.load(tmp_path)
+    with pytest.raises(jaxlm.ShardingError, match="num_attention_heads=6"):
+        jaxlm.shard(model, (1, 4))
+
+
+def test_batch_must_divide_over_data(saved):
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(4, 1))
+    with pytest.raises(jaxlm.ShardingError, match=r"`max_batch=2`.*`data` \(4 devices\)"):
+        jaxlm.plan(model, max_batch=2, max_seq_len=32)
+
+
+def test_bad_mesh_shapes(saved):
+    with pytest.raises(jaxlm.ShardingError, match="needs 6 devices, there are 4"):
+        jaxlm.load(saved["llama_gqa4"], mesh=(2, 3))
+    mesh = jax.make_mesh((4,), ("tensor",))
+    with pytest.raises(jaxlm.ShardingError, match="axes must be named"):
+        jaxlm.load(saved["llama_gqa4"], mesh=mesh)
+
+
+def test_abstract_sharded_plan_equals_the_loaded_one(saved):
+    from flax import nnx
+
+    model, _ = jaxlm.load(saved["qwen3"], mesh=(2, 2))
+    abstract = nnx.eval_shape(lambda: jaxlm.LlamaForCausalLM(model.config))
+    abstract = jaxlm.shard(abstract, (2, 2))
+    plans = [jaxlm.plan(m, max_batch=4, max_seq_len=64) for m in (model, abstract)]
+    for name in ("weights_bytes", "scratch_bytes", "kv_cache_bytes", "total_bytes"):
+        assert getattr(plans[0], name) == getattr(plans[1], name), name
+
+
+def test_cli_plans_on_a_mesh(capsys):
+    from jaxlm.cli import main
+
+    # SmolLM2-135M: 30 layers, hidden 576, 9 query and 3 KV heads of 64, MLP width 1536, tied
+    # vocabulary of 49152. A third of every projection and of the embedding on each device;
+    # the norms whole.
+    h, kv, mlp = 576, 3 * 64, 1536
+    split = 30 * (2 * h * h + 2 * h * kv + 3 * h * mlp) + 49152 * h
+    per_device = 4 * (split // 3 + 30 * 2 * h + h)
+    assert main(["plan", "--mesh", "1,3", "--max-seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=1 x model=3 (3 devices; bytes are per device)" in out
+    assert f"weights: {format_bytes(per_device)}\n" in out
+    assert main(["plan", "--mesh", "1,4", "--max-seq-len", "256"]) == 2
+    assert "`model` has 4 devices, which does not divide `num_attention_heads=9`" in (
+        capsys.readouterr().err
+    )
