@@ -54,7 +54,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the benchmark's options (all but `--model` and `--dtype`) to `parser`."""
+    """Add the benchmark's options (all but `--model`, `--dtype` and `--mesh`) to `parser`."""
     parser.add_argument("--batch", type=_int_list, default=DEFAULT_BATCH, help="e.g. 1,4,8")
     parser.add_argument(
         "--prompt-len", type=_int_list, default=DEFAULT_PROMPT_LEN, help="e.g. 32,128,512"
@@ -496,7 +496,7 @@ def run(args) -> dict:
         raise ValueError(f"`--repeats` must be >= 1, got {args.repeats}")
     path = Path(args.model) if args.model else default_model_path()
     t = time.perf_counter()
-    model, _ = jaxlm.load(path, dtype=args.dtype, progress=False)
+    model, _ = jaxlm.load(path, dtype=args.dtype, progress=False, mesh=args.mesh)
     load_s = time.perf_counter() - t
     loaded_rss, loading_peak = current_rss(), peak_rss()
     weights = weights_bytes(model)

@@ -34,9 +34,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not DATA,MODEL (e.g. 1,4)")
+    return _positive_int(parts[0]), _positive_int(parts[1])
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M)")
     p.add_argument("--dtype", type=_dtype, default="float32", help="float32, bfloat16, float16")
+    p.add_argument(
+        "--mesh",
+        type=_mesh,
+        default=None,
+        metavar="DATA,MODEL",
+        help="split the model over DATA x MODEL devices (e.g. 1,4: 4-way tensor parallel)",
+    )
 
 
 def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
@@ -96,7 +110,7 @@ def enable_compilation_cache() -> None:
 def _generate(args) -> None:
     import jaxlm
 
-    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype)
+    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
     for piece in jaxlm.stream(model, tokenizer, args.prompt, **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -106,7 +120,7 @@ def _generate(args) -> None:
 def _chat(args) -> None:
     import jaxlm
 
-    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype)
+    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     interactive = sys.stdin.isatty()
@@ -145,6 +159,8 @@ def _plan(args) -> None:
     config = jaxlm.ModelConfig.from_hf_config(open_checkpoint(path).config)
     # The plan needs shapes only: an abstract model holds no weights.
     model = nnx.eval_shape(lambda: jaxlm.LlamaForCausalLM(config, dtype=args.dtype))
+    if args.mesh is not None:
+        model = jaxlm.shard(model, args.mesh)
     plan = jaxlm.plan(
         model,
         max_batch=args.max_batch,
