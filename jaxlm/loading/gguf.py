@@ -417,10 +417,27 @@ def _check_header(path: pathlib.Path) -> None:
         )
 
 
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader` over a plain array view of its memory map.
+
+    The reader parses every metadata value through a slice of `np.memmap`, and each slice of a
+    memmap runs `np.memmap.__array_finalize__`: 3x slower over the 100k strings of a tokenizer
+    (2.7 s against 0.9 s for SmolLM2's file). The view reads the same mapped bytes.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
 def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
     _check_header(path)
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _Reader(path)
     except Exception as e:
         # The reader reports a short or corrupt file as whatever numpy raised while parsing it.
         raise LoadError(
