@@ -6,8 +6,9 @@ repeats:
 - decode tokens/s, from the difference between `N` new tokens and one, per row and in total;
 - compile time: cold (an empty persistent compilation cache) and from JAX's persistent cache
   (after `jax.clear_caches()`, as a second start would);
-- memory: the process's peak and current RSS against the plan's bill plus the RSS the process
-  had before it loaded the model.
+- memory: the process's peak RSS while the cell generates (its high-water mark reset after
+  compiling) and its current RSS, against the plan's bill plus the RSS the process had before
+  it loaded the model.
 
 Prompts are random token ids of exactly the prompt length (fixed seed), decoding is greedy and no
 token stops a row, so every row generates all its tokens. A probe measures the machine's memory
@@ -87,18 +88,36 @@ def main(argv: list[str] | None = None) -> int:
 # Measuring the process and the machine.
 
 
+def _status(field: str) -> int | None:
+    """A size from `/proc/self/status` in bytes, or None where there is none."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def current_rss() -> int:
     """The resident set size of this process now, in bytes (`VmRSS`)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status("VmRSS") or 0
 
 
 def peak_rss() -> int:
-    """The largest resident set size this process has had, in bytes (`ru_maxrss`)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The largest resident set size of this process since the last `reset_peak_rss`, in bytes
+    (`VmHWM`; `ru_maxrss`, the peak since the start, where there is no `/proc`).
+    """
+    peak = _status("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak RSS measurement (Linux: `5` to `/proc/self/clear_refs`); False if not."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def cores() -> int:
@@ -579,6 +598,8 @@ def _run_cell(cell, repeats: int, model, runner: JaxlmRunner, others: dict, base
             engine.generate(prompts, min(n, 2), plan)
     times = {name: ([], []) for name in engines}
     tokens = {}
+    # The peak RSS of the cell is that of generating: compiling and loading are behind it.
+    peak_reset = reset_peak_rss()
     with OtherLoad() as load:
         for _ in range(repeats):
             for name, engine in engines.items():
@@ -601,6 +622,7 @@ def _run_cell(cell, repeats: int, model, runner: JaxlmRunner, others: dict, base
     out["jaxlm"].update(compile_info)
     out["jaxlm"].update(
         peak_rss_bytes=peak_rss(),
+        peak_rss_since="generation" if peak_reset else "start",
         rss_bytes=current_rss(),
         plan_total_bytes=plan.total_bytes,
         plan_kv_cache_bytes=plan.kv_cache_bytes,
@@ -735,7 +757,14 @@ def format_report(report: dict) -> str:
     lines.append(
         "compile s / cached s: plan + first `generate` with an empty persistent compilation "
         "cache / after `jax.clear_caches()` with it filled; of BW: decode steps/s over "
-        "bandwidth / weight bytes; load: cores busy with other processes while the cell ran"
+        "bandwidth / weight bytes; load: cores busy with other processes while the cell ran; "
+        "peak RSS: while the cell generated"
+        + (
+            ""
+            if all(r["jaxlm"]["peak_rss_since"] == "generation" for r in report["cells"])
+            else " (here: since the start, this system cannot reset it)"
+        )
+        + "; predicted: RSS before loading + the plan's whole bill"
     )
     if report["settings"]["vs"]:
         lines.append("peak RSS includes the other engines' copies of the weights")

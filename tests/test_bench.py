@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 import torch
 from conftest import make_hf_model
@@ -65,6 +66,7 @@ def test_bench_writes_json_and_prints_tables(tiny_tied, tmp_path, capsys):
     for key in ("peak_rss_bytes", "rss_bytes", "plan_total_bytes", "bandwidth_limit_steps_s"):
         assert j[key] > 0, key
     assert j["compiles_cold"] >= 1
+    assert j["peak_rss_since"] == "generation"
     assert j["predicted_peak_bytes"] == data["baseline_rss_bytes"] + j["plan_total_bytes"]
     # Decode rates come from a difference of times, which noise may make meaningless here.
     assert j["decode_tok_s"] is None or j["decode_tok_s"] > 0
@@ -75,6 +77,17 @@ def test_bench_writes_json_and_prints_tables(tiny_tied, tmp_path, capsys):
     assert ratios["same_tokens"] == 4
     for text in ("prefill tok/s", "decode tok/s", "transformers", "llama.cpp", "jaxlm/it decode"):
         assert text in printed, text
+
+
+def test_peak_rss_restarts_after_a_reset():
+    # 256 MiB touched and freed raise the high-water mark; a reset brings it back to about
+    # the current RSS, as the kernel counts it.
+    block = np.ones(2**28 // 8)
+    high = bench.peak_rss()
+    del block
+    assert high >= bench.current_rss() + 200 * 2**20
+    assert bench.reset_peak_rss()
+    assert bench.peak_rss() < high - 200 * 2**20
 
 
 def test_gil_benchmark_measures_every_workload(tiny_tied):
