@@ -200,3 +200,16 @@ def test_cli_plans_on_a_mesh(capsys):
     assert "`model` has 4 devices, which does not divide `num_attention_heads=9`" in (
         capsys.readouterr().err
     )
+
+
+def test_budget_is_per_device(saved):
+    single, _ = jaxlm.load(saved["llama_gqa4"])
+    sharded, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
+    whole = jaxlm.plan(single, max_batch=4, max_seq_len=256).total_bytes
+    per_device = jaxlm.plan(sharded, max_batch=4, max_seq_len=256).total_bytes
+    assert per_device < whole
+    budget = (whole + per_device) // 2
+    with pytest.raises(jaxlm.PlanError, match="no `max_seq_len` fits"):
+        jaxlm.plan(single, max_batch=4, budget=budget)
+    fitted = jaxlm.plan(sharded, max_batch=4, budget=budget)
+    assert fitted.max_seq_len == 256 and fitted.total_bytes <= budget
