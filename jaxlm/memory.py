@@ -175,10 +175,6 @@ class Layout:
         return cls(slots, dict(dims))
 
     @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
-
-    @property
     def device_nbytes(self) -> int:
         """Bytes of scratch each device holds (all of it on a single device)."""
         return sum(s.device_nbytes for s in self.slots)

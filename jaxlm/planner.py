@@ -181,7 +181,12 @@ class Plan:
         if self.mesh is None:
             return f"device={jax.devices()[0]}"
         axes = " x ".join(f"{name}={size}" for name, size in self.mesh.shape.items())
-        return f"mesh {axes} ({self.mesh.size} devices; bytes are per device)"
+        kv = (
+            ", KV heads replicated over `model`"
+            if self.engine.partitioner.kv_heads_replicated
+            else ""
+        )
+        return f"mesh {axes} ({self.mesh.size} devices{kv}; bytes are per device)"
 
     def _totals(self) -> list[tuple[str, str]]:
         lines = [
@@ -255,8 +260,9 @@ class Plan:
         for i, slot in enumerate(self.layout.slots):
             shade = cmap(0.35 + 0.5 * (i % 2))
             label = "scratch (slots alternate shades)" if i == 0 else None
-            ax.barh("scratch", slot.nbytes / mib, left=left, color=shade, linewidth=0, label=label)
-            left += slot.nbytes / mib
+            size = slot.device_nbytes / mib
+            ax.barh("scratch", size, left=left, color=shade, linewidth=0, label=label)
+            left += size
         for i, e in enumerate(self.executables.values()):
             label = "XLA temporaries" if i == 0 else None
             ax.barh(f"XLA temp ({e.name})", e.temp / mib, color="tab:green", label=label)

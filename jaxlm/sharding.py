@@ -69,7 +69,6 @@ class Partitioner:
 
     def __init__(self, mesh: Mesh, config: ModelConfig):
         self.mesh = mesh
-        self.config = config
         self.data = mesh.shape.get("data", 1)
         self.model = mesh.shape.get("model", 1)
         c, m = config, self.model
@@ -82,16 +81,19 @@ class Partitioner:
                     f"the mesh axis `model` has {m} devices, which does not divide "
                     f"`{name}={size}`; use a `model` axis that divides it"
                 )
-        self.rules = {
+        rules = {
             "batch": "data",
             "heads": "model",
             "mlp": "model",
             "kv_heads": "model" if c.num_key_value_heads % m == 0 else None,
             "vocab": "model" if c.vocab_size % m == 0 else None,
         }
+        # A mesh may have only one of the two axes.
+        self.rules = {k: v if v in mesh.axis_names else None for k, v in rules.items()}
 
     @property
     def kv_heads_replicated(self) -> bool:
+        """Whether each device keeps every KV head (the `model` axis does not divide them)."""
         return self.model > 1 and self.rules["kv_heads"] is None
 
     def spec(self, axes: Sequence) -> PartitionSpec:

@@ -126,6 +126,16 @@ def test_too_few_kv_heads_are_replicated(saved):
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
     k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_cache"]
     assert {s.data.shape for s in k.addressable_shards} == {(4, 8, 32)}
+    assert "KV heads replicated over `model`" in str(plan)
+
+
+def test_a_mesh_with_one_axis(saved, single):
+    ids, logits, _ = single["llama_gqa4"]
+    mesh = jax.make_mesh((4,), ("model",))
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=mesh)
+    np.testing.assert_allclose(np.asarray(model(ids)), logits, atol=1e-5, rtol=0)
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32)
+    assert plan.layout.slots[0].sharding.mesh.axis_names == ("model",)
 
 
 def _pointers(scratch) -> list:
