@@ -167,6 +167,10 @@ def test_full_size_parameter_counts_without_allocating(name):
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(x.size for x in leaves) == published
     assert config.num_parameters() == published
+    # `abstract` skips tracing the initialisers and builds the same structure.
+    fast = LlamaForCausalLM.abstract(config, dtype=jnp.bfloat16)
+    assert nnx.graphdef(fast) == nnx.graphdef(abstract)
+    assert jax.tree.leaves(nnx.state(fast)) == leaves
     gc.collect()
     assert len(jax.live_arrays()) == live_before
 

@@ -75,8 +75,9 @@ def load(
     raises `LoadError` naming the file and the tensor.
 
     With `mesh` (a `jax.sharding.Mesh` with axes `"data"` and `"model"`, or a shape
-    `(data, model)` over all devices), the weights are split for tensor parallelism as
-    `jaxlm.sharding` describes, and each device receives only its own piece of each tensor.
+    `(data, model)` over the first `data * model` devices), the weights are split for tensor
+    parallelism as `jaxlm.sharding` describes, and each device receives only its own piece of
+    each tensor.
 
     Raises:
         FileNotFoundError: `path` or a file it needs does not exist.
@@ -129,7 +130,7 @@ def build_model(
         available.discard("lm_head.weight")
     available = {n for n in available if not n.endswith(_IGNORED_SUFFIXES)}
     _check_dims(config, checkpoint, available, where)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = LlamaForCausalLM.abstract(config, dtype=dtype)
     graphdef, state = nnx.split(abstract)
     variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
     missing = sorted(set(variables) - available)
@@ -155,7 +156,8 @@ def build_model(
             del tensor
         else:
             _check_shape(where, name, checkpoint.shape(name), checkpoint_shape)
-            value = _place(checkpoint.slicer(name), expected, transposed, dtype, partitioner, var)
+            sharding = partitioner.sharding(param_axes(var))
+            value = _place(checkpoint.slicer(name), expected, transposed, dtype, sharding)
             finite = not check_finite or bool(_all_finite(value))
         if not finite:
             raise LoadError(_not_finite(checkpoint, name, checkpoint.read(name), dtype))
@@ -171,15 +173,14 @@ def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
         )
 
 
-def _place(read, shape, transposed: bool, dtype, partitioner: Partitioner, var) -> jax.Array:
-    """Tensor `read` placed on the mesh: each device reads, casts and receives its own piece."""
+def _place(read, shape, transposed: bool, dtype, sharding) -> jax.Array:
+    """Tensor `read` placed with `sharding`: each device reads, casts and receives its piece."""
 
     def piece(index):
         if transposed:
             return np.asarray(read(index[::-1])).astype(dtype).T
         return np.asarray(read(index)).astype(dtype)
 
-    sharding = partitioner.sharding(param_axes(var))
     return jax.make_array_from_callback(shape, sharding, piece)
 
 

@@ -19,7 +19,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.config import ModelConfig
-from jaxlm.layers import MLP, Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin
+from jaxlm.layers import (
+    MLP,
+    Embedding,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+    shapes_only,
+)
 from jaxlm.memory import ScratchSpec, read_cache, write_cache
 
 _MASKED = -1e30
@@ -201,6 +209,17 @@ class LlamaForCausalLM(nnx.Module):
                 rngs=rngs,
                 axes=(None, "vocab"),
             )
+
+    @classmethod
+    def abstract(cls, config: ModelConfig, *, dtype=jnp.float32) -> LlamaForCausalLM:
+        """The model with shapes but no weights (`nnx.eval_shape`): for `jaxlm.plan`, or to fill.
+
+        Example:
+            >>> model = LlamaForCausalLM.abstract(config, dtype=jnp.bfloat16)
+            >>> print(jaxlm.plan(model, max_batch=8, max_seq_len=8192))
+        """
+        with shapes_only():
+            return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
     def _logits(self, x):
         if self.config.tie_word_embeddings:
