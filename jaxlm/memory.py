@@ -125,16 +125,13 @@ class Slot:
         return str(self.path[-1])
 
     @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-    @property
     def shard_shape(self) -> tuple[int, ...]:
         """The shape of the piece each device holds."""
         return self.sharding.shard_shape(self.shape) if self.sharding else self.shape
 
     @property
     def device_nbytes(self) -> int:
+        """Bytes each device holds (all of the slot on a single device)."""
         return int(np.prod(self.shard_shape, dtype=np.int64)) * self.dtype.itemsize
 
 
