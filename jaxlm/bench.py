@@ -682,7 +682,8 @@ def _cell_line(r: dict) -> str:
     )
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """The lines of a right-aligned text table with a rule under `header`."""
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -753,7 +754,7 @@ def format_report(report: dict) -> str:
                 _fmt(r["other_load_cores"], ".2f"),
             )
         )
-    lines += _table(header, rows)
+    lines += text_table(header, rows)
     lines.append(
         "compile s / cached s: plan + first `generate` with an empty persistent compilation "
         "cache / after `jax.clear_caches()` with it filled; of BW: decode steps/s over "
@@ -797,7 +798,7 @@ def format_report(report: dict) -> str:
             "jaxlm/it decode",
             "same tokens",
         )
-        lines += ["", *_table(header, comparisons)]
+        lines += ["", *text_table(header, comparisons)]
         lines.append(
             "ratios: the median [and each repeat's pair]; same tokens: leading greedy tokens of "
             "row 0 that agree with jaxlm"

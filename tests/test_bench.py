@@ -112,3 +112,22 @@ def test_memory_plan_runs_a_size_in_a_child_process(tiny_tied, capsys):
     assert "not donated ms" in printed
     row = printed.splitlines()[2].split()
     assert row[1] == "256"
+
+
+def test_matmul_step_variants_compute_the_same(tiny_tied, tmp_path, capsys):
+    matmul_step = load_benchmark("matmul_step")
+    out = tmp_path / "matmul.json"
+    argv = ["--model", str(tiny_tied), "--rows", "1,2", "--steps", "2", "--rounds", "1"]
+    assert matmul_step.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {(r["variant"], r["rows"]) for r in report["results"]} == {
+        (v, m) for v in matmul_step.VARIANTS for m in (1, 2)
+    }
+    # Every layout and fusion computes what the model's own weights compute.
+    for r in report["results"]:
+        assert r["max_abs_diff"] < 1e-4, r
+        assert r["median_ms"] > 0
+    # Two layers of q, k, v, o, gate, up, down and the tied head, in float32.
+    h, q, kv, mlp, vocab = 48, 48, 16, 112, 96
+    assert report["weight_bytes"] == 4 * (2 * (2 * h * q + 2 * h * kv + 3 * h * mlp) + h * vocab)
+    assert "fused qkv, gate/up" in capsys.readouterr().out

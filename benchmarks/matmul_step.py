@@ -1,0 +1,199 @@
+"""The matmuls of a decode step alone, by weight layout and fusion: where batch-1 decode goes.
+
+Every projection of every layer and the LM head run on `rows` activation rows with the model's
+own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no attention, no
+sampling). The variants:
+- `in,out`: the weights as jaxlm stores them, `x @ w`;
+- `out,in`: PyTorch's layout, contracting the last dimension of both;
+- `fused qkv, gate/up`: q, k and v concatenated into one `in,out` weight, gate and up into
+  another, so a layer runs four matmuls instead of seven;
+- `fused gate/up`: only gate and up concatenated.
+
+The variants run interleaved, round by round, and the table gives each one's median and best
+milliseconds per step and the weight bytes one step reads over the median time. Every variant
+computes what `in,out` computes (`max diff`, after one step). The weight copies of the other
+layouts need about three times the model's weights in memory.
+
+Usage: python benchmarks/matmul_step.py [--model PATH] [--rows 1,8] [--steps 16] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.bench import OtherLoad, text_table
+
+VARIANTS = ("in,out", "out,in", "fused qkv, gate/up", "fused gate/up")
+
+
+def layer_weights(model) -> tuple[list[dict], jax.Array]:
+    """Each layer's projection weights (`[in, out]`) and the LM head `[hidden, vocab]`."""
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        names = {
+            "q": attn.q_proj,
+            "k": attn.k_proj,
+            "v": attn.v_proj,
+            "o": attn.o_proj,
+            "gate": mlp.gate_proj,
+            "up": mlp.up_proj,
+            "down": mlp.down_proj,
+        }
+        layers.append({name: proj.weight[...] for name, proj in names.items()})
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    return layers, head.weight[...]
+
+
+def _variant_weights(variant: str, layers: list[dict], head: jax.Array):
+    if variant == "out,in":
+        return [{k: jnp.asarray(w.T) for k, w in ws.items()} for ws in layers], jnp.asarray(head.T)
+    fused = []
+    for ws in layers:
+        ws = dict(ws)
+        if variant == "fused qkv, gate/up":
+            ws["qkv"] = jnp.concatenate([ws.pop("q"), ws.pop("k"), ws.pop("v")], axis=1)
+        if variant.startswith("fused"):
+            ws["gate_up"] = jnp.concatenate([ws.pop("gate"), ws.pop("up")], axis=1)
+        fused.append(ws)
+    return fused, head
+
+
+def make_step(variant: str, steps: int, qkv_split: tuple[int, int]):
+    """A jitted function running `steps` matmul-only decode steps of `variant`.
+
+    `qkv_split` is where the keys and the values start in a fused q/k/v output.
+    """
+    out_in = variant == "out,in"
+
+    def mm(x, w):
+        return jax.lax.dot_general(x, w, (((1,), (1 if out_in else 0,)), ((), ())))
+
+    def layer(x, ws):
+        if "qkv" in ws:
+            q, k, v = jnp.split(mm(x, ws["qkv"]), qkv_split, axis=-1)
+        else:
+            q, k, v = mm(x, ws["q"]), mm(x, ws["k"]), mm(x, ws["v"])
+        # Keys and values feed the output so that XLA keeps their matmuls.
+        a = q + 1e-9 * (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
+        x = x + mm(a, ws["o"])
+        if "gate_up" in ws:
+            gate, up = jnp.split(mm(x, ws["gate_up"]), 2, axis=-1)
+        else:
+            gate, up = mm(x, ws["gate"]), mm(x, ws["up"])
+        x = x + mm(jax.nn.silu(gate) * up, ws["down"])
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+
+    def run(layers, head, x):
+        def step(_, x):
+            for ws in layers:
+                x = layer(x, ws)
+            return x + 1e-9 * mm(x, head).sum(-1, keepdims=True)
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    return jax.jit(run)
+
+
+def run(
+    model_path: str | None, rows: list[int], steps: int, rounds: int, variants=VARIANTS
+) -> dict:
+    """Time every variant at every row count; see the module's docstring."""
+    import jaxlm
+
+    model, _ = jaxlm.load(model_path, progress=False)
+    layers, head = layer_weights(model)
+    q, k = layers[0]["q"].shape[1], layers[0]["k"].shape[1]
+    weight_bytes = sum(w.nbytes for ws in layers for w in ws.values()) + head.nbytes
+    rng = np.random.default_rng(0)
+    xs = {m: jnp.asarray(rng.standard_normal((m, head.shape[0])), jnp.float32) for m in rows}
+    cases, outputs = {}, {}
+    for variant in variants:
+        ws, h = _variant_weights(variant, layers, head)
+        fn, one = make_step(variant, steps, (q, q + k)), make_step(variant, 1, (q, q + k))
+        for m in rows:
+            cases[(variant, m)] = (fn, ws, h, xs[m])
+            # One step is compared: over many, rounding differences grow through the norms.
+            outputs[(variant, m)] = np.asarray(one(ws, h, xs[m]))
+    times = {key: [] for key in cases}
+    with OtherLoad() as load:
+        for _ in range(rounds):
+            for key, (fn, ws, h, x) in cases.items():
+                t = time.perf_counter()
+                fn(ws, h, x).block_until_ready()
+                times[key].append((time.perf_counter() - t) / steps)
+    results = []
+    for (variant, m), ts in times.items():
+        reference = outputs[(variants[0], m)]
+        results.append(
+            {
+                "variant": variant,
+                "rows": m,
+                "median_ms": 1e3 * statistics.median(ts),
+                "best_ms": 1e3 * min(ts),
+                "weights_gb_s": weight_bytes / statistics.median(ts) / 1e9,
+                "max_abs_diff": float(np.max(np.abs(outputs[(variant, m)] - reference))),
+            }
+        )
+    return {
+        "weight_bytes": weight_bytes,
+        "steps": steps,
+        "rounds": rounds,
+        "other_load_cores": load.cores,
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    header = ("variant", "rows", "median ms/step", "best ms/step", "weights GB/s", "max diff")
+    rows = [
+        (
+            r["variant"],
+            str(r["rows"]),
+            f"{r['median_ms']:.2f}",
+            f"{r['best_ms']:.2f}",
+            f"{r['weights_gb_s']:.1f}",
+            f"{r['max_abs_diff']:.1e}",
+        )
+        for r in report["results"]
+    ]
+    lines = [
+        f"matmuls of a decode step, {report['weight_bytes'] / 2**20:.1f} MiB of weights, "
+        f"{report['steps']} steps per call, medians of {report['rounds']} rounds; "
+        f"load {report['other_load_cores']:.2f} (cores busy with other processes)",
+        *text_table(header, rows),
+        "max diff: largest difference from `in,out`'s output after one step",
+    ]
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="Hugging Face directory or .gguf file")
+    p.add_argument("--rows", type=_ints, default=[1, 8], help="activation rows, e.g. 1,8")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed call")
+    p.add_argument("--rounds", type=int, default=5, help="timed calls per variant")
+    p.add_argument("--json", type=Path, default=None, help="write the results to this file")
+    args = p.parse_args(argv)
+    report = run(args.model, args.rows, args.steps, args.rounds)
+    print(format_table(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
