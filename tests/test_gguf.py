@@ -15,6 +15,7 @@ import math
 import pathlib
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import regex
@@ -131,6 +132,8 @@ F16_SCALES = {
     Q.IQ4_XS: (0,),
 }
 QUANTISABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ1_0, Q.TQ2_0]
+# The formats `GGUFCheckpoint.encoded` leaves to a `Dequantizer`.
+DEVICE_DEQUANTIZED = {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
 # Largest error of `quantize` then `dequantize`, relative to the largest magnitude.
 ROUND_TRIP_ERROR = {
     Q.F32: 0.0,
@@ -202,6 +205,11 @@ def test_read_equals_gguf_dequantize(tmp_path, kind):
         elif gguf_name == "blk.0.attn_k.weight":
             got = permute(got, TINY["heads"], TINY["kv_heads"])
         np.testing.assert_array_equal(got, expected, err_msg=name)
+        # `jaxlm.load` decodes these formats with jax ops instead: the same values, bit for bit.
+        raw, dequantizer = ckpt.encoded(name)
+        assert (dequantizer is not None) == (kind in DEVICE_DEQUANTIZED or raw.ndim == 1)
+        decoded = np.asarray(jax.jit(dequantizer)(raw) if dequantizer else raw)
+        np.testing.assert_array_equal(decoded, ckpt.read(name), err_msg=name)
         if gguf_name in originals and kind in ROUND_TRIP_ERROR:
             original = originals[gguf_name]
             error = np.abs(ckpt.read(name) - permute_back(gguf_name, original)).max()

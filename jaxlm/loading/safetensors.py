@@ -91,6 +91,10 @@ class HFCheckpoint:
         except SafetensorError as e:
             raise LoadError(f"{file}: cannot read tensor `{name}` ({e})") from None
 
+    def encoded(self, name: str) -> tuple[jax.Array, None]:
+        """Tensor `name` as stored, which needs no decoding (see `GGUFCheckpoint.encoded`)."""
+        return self.read(name), None
+
     def slicer(self, name: str):
         """A function from an index (a tuple of slices) to that piece of tensor `name`, read
         from the file without reading the rest.
