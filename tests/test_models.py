@@ -110,6 +110,35 @@ def test_positions_default_to_each_rows_first_token(tiny_llama):
     np.testing.assert_array_equal(np.asarray(explicit), np.asarray(default))
 
 
+def test_a_step_traces_one_layer_for_all_layers(tmp_path):
+    config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
+    model = LlamaForCausalLM.abstract(config)
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=16, steps=("decode",))
+    engine = plan.engine
+    x = engine.abstract_inputs(1, 4)
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), engine.params)
+    jaxpr = engine.decode_loop.trace(
+        params, plan.layout.abstract(), x["params"], x["stop_ids"], x["limit"]
+    ).jaxpr
+
+    def eqns(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        yield from eqns(sub.jaxpr)
+
+    calls = [
+        eqn.params["jaxpr"]
+        for eqn in eqns(jaxpr.jaxpr)
+        if eqn.params.get("name") == "_layer_cached"
+    ]
+    # The decode loop's body runs one step: one call per layer, all to one traced layer.
+    assert len(calls) == config.num_hidden_layers > 1
+    assert len({id(c) for c in calls}) == 1
+
+
 FULL_SIZE = {
     # Published parameter counts (model cards / safetensors metadata on the Hub).
     "Llama-3.1-8B": (8_030_261_248, LLAMA_31_8B),

@@ -14,6 +14,8 @@ The model runs in two ways:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -132,6 +134,14 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), {"self_attn": attn}
 
 
+# A jitted layer: the layers share one signature, so a step traces and lowers one layer, not
+# all of them (SmolLM2's prefill: tracing 0.29 s to 0.13 s, lowering 0.25 s to 0.12 s). XLA
+# inlines the calls, and the compiled step is the same.
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
+    return nnx.merge(graphdef, state).forward_cached(x, cos, sin, mask, index, scratch)
+
+
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
@@ -182,7 +192,10 @@ class LlamaModel(nnx.Module):
         x = self.embed_tokens(input_ids)
         layers = {}
         for i, layer in enumerate(self.layers):
-            x, layers[i] = layer.forward_cached(x, cos, sin, mask, index, scratch["layers"][i])
+            graphdef, state = nnx.split(layer)
+            x, layers[i] = _layer_cached(
+                graphdef, state, x, cos, sin, mask, index, scratch["layers"][i]
+            )
         new = {"cache_start": start, "cache_index": index + t, "layers": layers}
         return self.norm(x), new
 
