@@ -10,7 +10,13 @@ import numpy as np
 
 from jaxlm.engine import Engine, compile_steps, platform, weights_bytes
 from jaxlm.errors import PlanError
-from jaxlm.memory import ALIGNMENT, ExecutableMemory, Layout, format_bytes
+from jaxlm.memory import (
+    ALIGNMENT,
+    ExecutableMemory,
+    Layout,
+    format_bytes,
+    release_host_memory,
+)
 
 
 class Plan:
@@ -50,6 +56,7 @@ class Plan:
         dims = {"batch": max_batch, "seq": max_seq_len}
         layout = Layout.build(engine.declarations(model), dims, platform(), engine.partitioner)
         compiled = compile_steps(engine, layout, chunk, steps)
+        release_host_memory()
         return cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
 
     @property

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
+from jaxlm.memory import release_host_memory
 from jaxlm.models.llama import LlamaForCausalLM
 from jaxlm.sharding import Partitioner, make_mesh, param_axes
 from jaxlm.tokenizer import Tokenizer
@@ -105,6 +106,7 @@ def load(
     model = build_model(
         config, checkpoint, dtype, progress, source=path, check_finite=check_finite, mesh=mesh
     )
+    release_host_memory()
     return model, checkpoint.tokenizer
 
 
