@@ -190,7 +190,11 @@ class Layout:
 
     def allocate(self) -> dict:
         """The scratch tree, zero-filled: the only allocation of scratch a plan makes."""
-        return self.tree(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding))
+        # One executable fills every slot; `jnp.zeros` slot by slot compiled two per shape.
+        sharded = any(s.sharding is not None for s in self.slots)
+        shardings = {"out_shardings": self.tree(lambda s: s.sharding)} if sharded else {}
+        zeros = jax.jit(lambda: self.tree(lambda s: jnp.zeros(s.shape, s.dtype)), **shardings)
+        return zeros()
 
     def check(self, scratch) -> None:
         """Raise if `scratch` is not a live scratch tree of this layout."""
