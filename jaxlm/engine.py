@@ -258,8 +258,9 @@ def plan(
     (bytes or a string like `"1.5GiB"`) and no `max_seq_len`, it picks the largest multiple of
     256 tokens whose bill fits; with both, it raises `PlanError` if the bill exceeds the budget.
     `steps` names the executables to compile and account for: `"generate"` (prefill of a
-    `prefill_chunk`-token prompt and the decode loop, in one call, as `generate` runs it) and
-    `"decode"` (the decode loop alone, as `stream` runs it between chunks). Prompts shorter than
+    `prefill_chunk`-token prompt and the decode loop, in one call, as `generate` runs it),
+    `"start"` (the prefill and first token alone, as `stream` begins) and `"decode"` (the decode
+    loop alone, as `stream` runs it between chunks). Prompts shorter than
     `prefill_chunk` run executables of their own bucket, compiled on first use; their
     temporaries are smaller. Works on abstract models (`nnx.eval_shape`) too.
 
@@ -355,6 +356,16 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
             x["params"],
             x["stop_ids"],
             x["limit"],
+            chunk=chunk,
+        ),
+        "start": lambda: engine.start.lower(
+            params,
+            scratch,
+            x["prompt"],
+            x["lengths"],
+            x["rng"],
+            x["params"],
+            x["stop_ids"],
             chunk=chunk,
         ),
         "decode": lambda: engine.decode_loop.lower(

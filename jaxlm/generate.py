@@ -235,40 +235,46 @@ def _data_devices(model) -> int:
 _PLAN_LOCK = threading.Lock()
 
 
+# The steps `generate` runs (prefill and decode in one call), and those `stream` runs: the
+# prefill and first token, then the decode loop chunk by chunk.
+_STEPS = {False: ("generate",), True: ("start", "decode")}
+
+
 def _plan_for(
-    model, batch: int, p: int, seq: int, chunk: int, given: Plan | None, step: str
+    model, batch: int, p: int, seq: int, chunk: int, given: Plan | None, steps: tuple[str, ...]
 ) -> Plan:
     if given is not None:
         if given.engine is not engine_of(model):
             raise PlanError("`plan` was made for another model")
         return given
     engine = engine_of(model)
-    # The plan compiles the step of this request for exactly its prompt bucket, so the
-    # executable it accounts for is the one the request runs.
-    key = (batch, p, seq, step)
+    # The plan compiles the steps of this request for exactly its prompt bucket, so the
+    # executables it accounts for are the ones the request runs.
+    key = (batch, p, seq, steps)
     with _PLAN_LOCK:
         if key not in engine.plans:
             engine.plans[key] = plan(
-                model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk, steps=(step,)
+                model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk, steps=steps
             )
         return engine.plans[key]
 
 
 def request_plan(
-    model, batch: int, prompt_len: int, max_new_tokens: int, step: str = "generate"
+    model, batch: int, prompt_len: int, max_new_tokens: int, streaming: bool = False
 ) -> Plan:
-    """The plan `generate` (`step="generate"`) or `stream` (`step="decode"`) makes and caches
-    for `batch` prompts of at most `prompt_len` tokens and `max_new_tokens`.
+    """The plan `generate` (or, with `streaming`, `stream`) makes and caches for `batch` prompts
+    of at most `prompt_len` tokens and `max_new_tokens`.
     """
     req = _Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
     rows, p, seq, chunk = _shapes(req, None, _data_devices(model))
-    return _plan_for(model, rows, p, seq, chunk, None, step)
+    return _plan_for(model, rows, p, seq, chunk, None, _STEPS[streaming])
 
 
-def _prepare(model, req: _Request, given: Plan | None, step: str) -> tuple[Plan, int, dict]:
+def _prepare(model, req: _Request, given: Plan | None, streaming: bool) -> tuple[Plan, int, dict]:
     """The plan of a request, its prefill chunk, and its padded inputs."""
     batch, p, seq, chunk = _shapes(req, given, _data_devices(model))
-    return _plan_for(model, batch, p, seq, chunk, given, step), chunk, _inputs(req, batch, p)
+    the_plan = _plan_for(model, batch, p, seq, chunk, given, _STEPS[streaming])
+    return the_plan, chunk, _inputs(req, batch, p)
 
 
 def _inputs(req: _Request, batch: int, p: int) -> dict:
@@ -371,7 +377,7 @@ def generate(
         stop=stop,
         plan=plan,
     )
-    the_plan, chunk, x = _prepare(model, req, plan, "generate")
+    the_plan, chunk, x = _prepare(model, req, plan, streaming=False)
     engine = the_plan.engine
     scratch = engine.generate(
         engine.params,
@@ -482,7 +488,7 @@ def stream(
 
 
 def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: int):
-    the_plan, chunk, x = _prepare(model, req, given, "decode")
+    the_plan, chunk, x = _prepare(model, req, given, streaming=True)
     engine = the_plan.engine
     n = len(req.prompts)
     detok = [_Detokenizer(tokenizer, req.stop) for _ in range(n)]

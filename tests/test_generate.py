@@ -9,7 +9,7 @@ import transformers
 from conftest import CHATML, make_hf_model
 
 import jaxlm
-from jaxlm.generate import _Detokenizer
+from jaxlm.generate import _Detokenizer, request_plan
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 
@@ -167,6 +167,19 @@ def test_stream_yields_the_generated_text(chat_model):
     stop = full[4:6]
     cut = "".join(jaxlm.stream(model, tok, "Once upon a time", stop=stop, **kw))
     assert cut == full[: full.find(stop)]
+
+
+def test_stream_plan_accounts_for_every_step_it_runs(chat_model):
+    model, tok = chat_model
+    prompt = tok.encode("Once upon a time")
+    plan = request_plan(model, 1, len(prompt), 9, streaming=True)
+    assert set(plan.executables) == {"start", "decode"}
+    plan.keep(plan.allocate())
+    # The stream runs the very executables its plan compiled and measured: nothing compiles.
+    with jaxlm.CompileCounter() as compiles:
+        pieces = list(jaxlm.stream(model, tok, prompt, max_new_tokens=9, chunk_tokens=4))
+    assert compiles.count == 0
+    assert len(pieces) > 1
 
 
 def test_detokenizer_holds_back_partial_characters(chat_model):
