@@ -85,3 +85,17 @@ def test_errors_are_one_line_with_exit_code_2(env, args, message):
     assert out.stderr.count("\n") == 1, out.stderr
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_generate_and_chat_turn_off_ynnpack_unless_told(monkeypatch):
+    from jaxlm.cli import _without_ynnpack
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    _without_ynnpack()
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_dump_to=/tmp/x",
+        "--xla_cpu_experimental_ynn_fusion_type=",
+    ]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
+    _without_ynnpack()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
