@@ -478,6 +478,7 @@ def _compile_times(runner: JaxlmRunner, cell: tuple[int, int, int], prompts) -> 
     import jax
 
     import jaxlm
+    from jaxlm.engine import engine_of
 
     b, p, n = cell
     out = {}
@@ -495,7 +496,10 @@ def _compile_times(runner: JaxlmRunner, cell: tuple[int, int, int], prompts) -> 
         out[f"compiles_{label}"] = compiles.count
         out[f"cache_hits_{label}"] = compiles.cache_hits
         if label == "cold":
+            # The cached run makes a new plan, as a new process would; `generate` keeps the plans
+            # it made, and the process would hold the cold plan's executables beside the new ones.
             del plan
+            engine_of(runner.model).plans.clear()
             gc.collect()
     return out, plan
 
