@@ -260,9 +260,9 @@ def plan(
     `steps` names the executables to compile and account for: `"generate"` (prefill of a
     `prefill_chunk`-token prompt and the decode loop, in one call, as `generate` runs it),
     `"start"` (the prefill and first token alone, as `stream` begins) and `"decode"` (the decode
-    loop alone, as `stream` runs it between chunks). Prompts shorter than
-    `prefill_chunk` run executables of their own bucket, compiled on first use; their
-    temporaries are smaller. Works on abstract models (`nnx.eval_shape`) too.
+    loop alone, as `stream` runs it between chunks). Prompts shorter than `prefill_chunk` run
+    executables of their own bucket, compiled on first use; their temporaries are smaller.
+    Works on abstract models (`nnx.eval_shape`) too.
 
     On a model sharded over a mesh (`jaxlm.load(..., mesh=...)` or `jaxlm.shard`), every slot
     is split as it declares (the KV cache by batch row on `data` and by KV head on `model`),
