@@ -118,7 +118,7 @@ def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
         monkeypatch.setattr(engine, name, counted)
     jaxlm.generate(model, None, PROMPTS, max_new_tokens=6, temperature=0.7)
     assert calls == ["generate"]
-    plan = engine.plans[(4, 16, 32, "generate")]
+    plan = engine.plans[(4, 16, 32, ("generate",))]
     assert list(plan.compiled) == ["generate"]
     hlo = plan.compiled["generate"].as_text()
     assert " while(" in hlo
