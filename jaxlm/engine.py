@@ -346,28 +346,13 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
     scratch = layout.abstract()
     batch = layout.dims["batch"]
     x = engine.abstract_inputs(batch, chunk)
+    # The prompt's arguments, as `generate` and `start` both take them.
+    prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stop_ids"])
     lowered = {
         "generate": lambda: engine.generate.lower(
-            params,
-            scratch,
-            x["prompt"],
-            x["lengths"],
-            x["rng"],
-            x["params"],
-            x["stop_ids"],
-            x["limit"],
-            chunk=chunk,
+            params, scratch, *prompt, x["limit"], chunk=chunk
         ),
-        "start": lambda: engine.start.lower(
-            params,
-            scratch,
-            x["prompt"],
-            x["lengths"],
-            x["rng"],
-            x["params"],
-            x["stop_ids"],
-            chunk=chunk,
-        ),
+        "start": lambda: engine.start.lower(params, scratch, *prompt, chunk=chunk),
         "decode": lambda: engine.decode_loop.lower(
             params, scratch, x["params"], x["stop_ids"], x["limit"]
         ),
