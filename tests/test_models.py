@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +138,17 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
     # The decode loop's body runs one step: one call per layer, all to one traced layer.
     assert len(calls) == config.num_hidden_layers > 1
     assert len({id(c) for c in calls}) == 1
+
+
+def test_a_decode_step_computes_the_rotary_angles_once(tmp_path):
+    config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
+    plan = jaxlm.plan(
+        LlamaForCausalLM.abstract(config), max_batch=1, max_seq_len=16, steps=("decode",)
+    )
+    hlo = plan.compiled["decode"].as_text()
+    # One cosine and one sine of the step's positions, not one per query and key of each layer.
+    assert config.num_hidden_layers > 1
+    assert len(re.findall(r" cosine\(", hlo)) == len(re.findall(r" sine\(", hlo)) == 1
 
 
 FULL_SIZE = {

@@ -176,6 +176,20 @@ class LlamaModel(nnx.Module):
             x = layer(x, cos, sin, mask)
         return self.norm(x)
 
+    def _rope_once(self, positions, index):
+        # XLA:CPU fuses `cos` and `sin` into each consumer, the queries and keys of every layer,
+        # and so computed them 60 times a step for SmolLM2 (2.3 ms of an 80 ms decode step at
+        # batch 8). A conditional's results are materialised, so they are computed once here;
+        # `index` is never negative, but XLA cannot know it, and the other branch is the
+        # identity rotation.
+        def identity(positions):
+            shape = (*positions.shape, self.config.head_dim)
+            return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+        return jax.lax.cond(
+            index >= 0, functools.partial(rope_cos_sin, self.config), identity, positions
+        )
+
     def forward_cached(self, input_ids, scratch):
         b, t = input_ids.shape
         index, start = scratch["cache_index"], scratch["cache_start"]
@@ -188,7 +202,7 @@ class LlamaModel(nnx.Module):
             jnp.broadcast_to(k_slots, (b, seq)),
             k_slots[None, :] >= start[:, None],
         )
-        cos, sin = rope_cos_sin(self.config, jnp.maximum(positions, 0))
+        cos, sin = self._rope_once(jnp.maximum(positions, 0), index)
         x = self.embed_tokens(input_ids)
         layers = {}
         for i, layer in enumerate(self.layers):
