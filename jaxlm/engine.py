@@ -167,16 +167,28 @@ class Engine:
 
             return wrapper
 
-        jit = functools.partial(jax.jit, donate_argnums=1, keep_unused=True)
-        # `keep_unused` keeps donated slots that a step overwrites without reading them
-        # aliased to their outputs; otherwise JAX drops them and XLA allocates new buffers.
-        self.prefill_step = jit(merged(_prefill_step))
-        self.decode_step = jit(merged(_decode_step))
-        self.start = jit(merged(start), static_argnames="chunk")
-        self.decode_loop = jit(merged(decode_loop))
-        self.generate = jit(merged(_generate), static_argnames="chunk")
+        def jit(fn, **kwargs):
+            # `keep_unused` keeps donated slots that a step overwrites without reading them
+            # aliased to their outputs; otherwise JAX drops them and XLA allocates new buffers.
+            return jax.jit(merged(fn), donate_argnums=1, keep_unused=True, **kwargs)
+
+        self._jit = jit
+        self.prefill_step = jit(_prefill_step)
+        self.decode_step = jit(_decode_step)
+        self.start = self.jitted("start")
+        self.decode_loop = self.jitted("decode")
+        self.generate = self.jitted("generate")
         # Plans made by `generate` for requests without one, by bucketed shape.
         self.plans: dict = {}
+
+    def jitted(self, step: str):
+        """A new jitted function of `step` (`"generate"`, `"start"` or `"decode"`).
+
+        Its traces are cached on it, so a plan that compiles through its own function and
+        keeps only the executables lets the traces go (35 MiB for SmolLM2's `generate`).
+        """
+        fn, static = _STEPS[step]
+        return self._jit(fn, static_argnames=static)
 
     def _pin_scratch(self):
         """A function that keeps a step's returned scratch on the shardings it came in with.
@@ -223,6 +235,13 @@ def _generate(model, scratch, prompt, lengths, rng, params, stop_ids, limit, chu
     scratch = start(model, scratch, prompt, lengths, rng, params, stop_ids, chunk)
     return decode_loop(model, scratch, params, stop_ids, limit)
 
+
+# Each step run by a plan, and its static arguments.
+_STEPS = {
+    "generate": (_generate, ("chunk",)),
+    "start": (start, ("chunk",)),
+    "decode": (decode_loop, ()),
+}
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENGINES_LOCK = threading.Lock()
@@ -348,19 +367,19 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
     x = engine.abstract_inputs(batch, chunk)
     # The prompt's arguments, as `generate` and `start` both take them.
     prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stop_ids"])
-    lowered = {
-        "generate": lambda: engine.generate.lower(
-            params, scratch, *prompt, x["limit"], chunk=chunk
-        ),
-        "start": lambda: engine.start.lower(params, scratch, *prompt, chunk=chunk),
-        "decode": lambda: engine.decode_loop.lower(
-            params, scratch, x["params"], x["stop_ids"], x["limit"]
-        ),
+    arguments = {
+        "generate": ((params, scratch, *prompt, x["limit"]), {"chunk": chunk}),
+        "start": ((params, scratch, *prompt), {"chunk": chunk}),
+        "decode": ((params, scratch, x["params"], x["stop_ids"], x["limit"]), {}),
     }
-    unknown = set(steps) - set(lowered)
+    unknown = set(steps) - set(arguments)
     if unknown or not steps:
-        raise ValueError(f"`steps` must name some of {sorted(lowered)}, got {list(steps)}")
-    return {name: lowered[name]().compile() for name in steps}
+        raise ValueError(f"`steps` must name some of {sorted(arguments)}, got {list(steps)}")
+    compiled = {}
+    for name in steps:
+        args, kwargs = arguments[name]
+        compiled[name] = engine.jitted(name).lower(*args, **kwargs).compile()
+    return compiled
 
 
 def platform() -> str:

@@ -379,7 +379,7 @@ def generate(
     )
     the_plan, chunk, x = _prepare(model, req, plan, streaming=False)
     engine = the_plan.engine
-    scratch = engine.generate(
+    scratch = the_plan.step("generate", x["prompt"].shape[1], chunk)(
         engine.params,
         the_plan.take(),
         x["prompt"],
@@ -388,10 +388,10 @@ def generate(
         x["params"],
         x["stop_ids"],
         np.int32(req.max_new_tokens),
-        chunk=chunk,
     )
     tokens, counts, done, start = _read_rows(scratch, len(req.prompts))
     the_plan.keep(scratch)
+    the_plan.ran()
     texts, token_ids, reasons = [], [], []
     for i in range(len(req.prompts)):
         ids = tokens[i, start : start + counts[i]].tolist()
@@ -494,7 +494,7 @@ def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: i
     detok = [_Detokenizer(tokenizer, req.stop) for _ in range(n)]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
     # pool when the stream ends, and is dropped if the stream is abandoned or fails.
-    scratch = engine.start(
+    scratch = the_plan.step("start", x["prompt"].shape[1], chunk)(
         engine.params,
         the_plan.take(),
         x["prompt"],
@@ -502,11 +502,12 @@ def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: i
         x["rng"],
         x["params"],
         x["stop_ids"],
-        chunk=chunk,
     )
     generated = 1
+    decode = the_plan.step("decode")
     while True:
         tokens, counts, done, start = _read_rows(scratch, n)
+        the_plan.ran()
         final = generated >= req.max_new_tokens or bool(done.all())
         pieces = [
             d.update(tokens[i, start : start + counts[i]].tolist(), final or bool(done[i]))
@@ -520,9 +521,7 @@ def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: i
         if any(pieces):
             yield pieces[0] if req.single else pieces
         generated = min(generated + chunk_tokens, req.max_new_tokens)
-        scratch = engine.decode_loop(
-            engine.params, scratch, x["params"], x["stop_ids"], np.int32(generated)
-        )
+        scratch = decode(engine.params, scratch, x["params"], x["stop_ids"], np.int32(generated))
 
 
 # `chat` takes a `stream` argument, which hides the function of that name inside it.

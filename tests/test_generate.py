@@ -107,21 +107,24 @@ def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
     model, _ = jaxlm.load(tiny_llama[0])
     jaxlm.generate(model, None, PROMPTS, max_new_tokens=6)
     engine = jaxlm.engine.engine_of(model)
-    calls = []
-    for name in ("prefill_step", "decode_step", "start", "decode_loop", "generate"):
-        fn = getattr(engine, name)
-
-        def counted(*args, _fn=fn, _name=name, **kwargs):
-            calls.append(_name)
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(engine, name, counted)
-    jaxlm.generate(model, None, PROMPTS, max_new_tokens=6, temperature=0.7)
-    assert calls == ["generate"]
     plan = engine.plans[(4, 16, 32, ("generate",))]
     assert list(plan.compiled) == ["generate"]
-    hlo = plan.compiled["generate"].as_text()
-    assert " while(" in hlo
+    assert " while(" in plan.compiled["generate"].as_text()
+    calls = []
+
+    def counter(fn, name):
+        def counted(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name in ("prefill_step", "decode_step", "start", "decode_loop", "generate"):
+        monkeypatch.setattr(engine, name, counter(getattr(engine, name), f"engine.{name}"))
+    monkeypatch.setitem(plan.compiled, "generate", counter(plan.compiled["generate"], "plan"))
+    jaxlm.generate(model, None, PROMPTS, max_new_tokens=6, temperature=0.7)
+    # One call, to the executable the plan compiled and accounted for.
+    assert calls == ["plan"]
 
 
 def test_repetition_penalty_avoids_repeats(tiny_llama):

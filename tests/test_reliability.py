@@ -272,14 +272,18 @@ def test_interrupted_streams_leave_the_model_as_fresh(chat, how):
 def test_interrupt_during_the_call_loses_only_that_scratch(chat, monkeypatch):
     """Ctrl-C lands once the jitted call returns: its scratch is dropped, not half-returned."""
     chat.check_fresh()
-    engine = jaxlm.engine.engine_of(chat.model)
-    real = engine.generate
+    real = jaxlm.Plan.step
 
-    def interrupted(*args, **kwargs):
-        real(*args, **kwargs)
-        raise KeyboardInterrupt
+    def step(plan, *args, **kwargs):
+        run = real(plan, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "generate", interrupted)
+        def interrupted(*args, **kwargs):
+            run(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        return interrupted
+
+    monkeypatch.setattr(jaxlm.Plan, "step", step)
     for ids, new in chat.requests:
         with pytest.raises(KeyboardInterrupt):
             chat.generate(ids, new)
