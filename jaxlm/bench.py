@@ -513,7 +513,10 @@ def run(args) -> dict:
     from jaxlm.engine import weights_bytes
     from jaxlm.loading import default_model_path
 
-    jax.devices()
+    # The baseline is the process once JAX is up: its CPU backend started and one executable
+    # compiled and run, which every JAX program pays before a model (40 MiB of compiler and
+    # runtime pages here).
+    jax.jit(lambda x: x + 1)(jnp.zeros(())).block_until_ready()
     baseline_rss = current_rss()
     if args.repeats < 1:
         raise ValueError(f"`--repeats` must be >= 1, got {args.repeats}")
