@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ def reference_greedy(model, prompt, n, stop=()):
     The sequence is right-padded to a fixed length so one compiled forward serves every step;
     causal attention makes the padding invisible to the real positions.
     """
-    width = 32
+    width = max(32, len(prompt) + n)
     forward = jax.jit(lambda ids, mask: model(ids, attention_mask=mask))
     seq = list(prompt)
     for _ in range(n):
@@ -59,6 +61,21 @@ def test_greedy_stops_at_stop_tokens(tiny_llama):
         assert got == expected
         assert reason == ("stop" if len(expected) < 12 else "length")
     assert out.token_ids[0] == free.token_ids[0][: free.token_ids[0].index(stop)]
+
+
+def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=1024, prefill_chunk=10)
+    # Scores against the first 256, 512 or all 1024 slots, chosen at run time.
+    hlo = plan.compiled["generate"].as_text()
+    for size in (256, 512, 1024):
+        assert re.search(rf"= f32\[\d+,\d+,{size}\]\S* (fusion|dot)\(", hlo), size
+    # The long prompt fills 250 slots and decodes across the first size into the second.
+    long = [int(t) for t in np.random.default_rng(0).integers(1, 96, 250)]
+    prompts = [long, PROMPTS[1]]
+    out = jaxlm.generate(model, None, prompts, max_new_tokens=12, stop_token_ids=[], plan=plan)
+    for prompt, got in zip(prompts, out.token_ids, strict=True):
+        assert got == reference_greedy(model, prompt, 12)
 
 
 def test_given_plan_and_prefill_chunks(tiny_llama):

@@ -33,6 +33,8 @@ from jaxlm.layers import (
 from jaxlm.memory import ScratchSpec, read_cache, write_cache
 
 _MASKED = -1e30
+# The smallest part of the KV cache that attention reads: see `Attention._attend_filled`.
+FILLED_BUCKET = 256
 
 
 class Attention(nnx.Module):
@@ -91,6 +93,7 @@ class Attention(nnx.Module):
 
     def _attend(self, q, k, v, mask):
         # q [B, T, heads, D]; k [B * kv_heads, D, S]; v [B * kv_heads, S, D]; mask [B, T, S].
+        # Returns the heads' outputs [B, T, heads * D], before `o_proj`.
         b, t, _, d = q.shape
         c = self.config
         nkv, g = c.num_key_value_heads, c.num_kv_groups
@@ -100,18 +103,39 @@ class Attention(nnx.Module):
         scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("nqs,nsd->nqd", probs, v).reshape(b, nkv, g, t, d)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, c.num_attention_heads * d)
-        return self.o_proj(out)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, c.num_attention_heads * d)
+
+    def _attend_filled(self, q, k, v, mask, end):
+        """`_attend` over the cache's first slots only: the smallest of its sizes (256 slots
+        doubling up to the whole cache) that holds the `end` slots in use.
+
+        Slots from `end` on are masked for every query, so leaving them out changes nothing
+        but the work: a 128-token prompt in a plan of 4096 slots decoded 1.5x slower when
+        attention read the whole cache.
+        """
+        seq = k.shape[-1]
+        sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
+        if not sizes:
+            return self._attend(q, k, v, mask)
+        sizes.append(seq)
+
+        def attend(size, q, k, v, mask):
+            return self._attend(q, k[..., :size], v[:, :size], mask[..., :size])
+
+        branch = jnp.searchsorted(jnp.asarray(sizes), end)
+        branches = [functools.partial(attend, size) for size in sizes]
+        return jax.lax.switch(branch, branches, q, k, v, mask)
 
     def __call__(self, x, cos, sin, mask):
-        return self._attend(*self._project(x, cos, sin), mask)
+        return self.o_proj(self._attend(*self._project(x, cos, sin), mask))
 
     def forward_cached(self, x, cos, sin, mask, index, scratch):
         q, k, v = self._project(x, cos, sin)
         k_cache = write_cache(scratch["k_cache"], k, index, axis=2)
         v_cache = write_cache(scratch["v_cache"], v, index, axis=1)
-        out = self._attend(q, read_cache(k_cache), read_cache(v_cache), mask)
-        return out, {"k_cache": k_cache, "v_cache": v_cache}
+        end = index + x.shape[1]
+        out = self._attend_filled(q, read_cache(k_cache), read_cache(v_cache), mask, end)
+        return self.o_proj(out), {"k_cache": k_cache, "v_cache": v_cache}
 
 
 class DecoderLayer(nnx.Module):
