@@ -185,9 +185,9 @@ class Engine:
         """A new jitted function of `step` (`"generate"`, `"start"` or `"decode"`).
 
         Its traces are cached on it, so a plan that compiles through its own function and
-        keeps only the executables lets the traces go (35 MiB for SmolLM2's `generate`).
+        keeps only the executables lets the traces go (about 35 MiB for SmolLM2's `generate`).
         """
-        fn, static = _STEPS[step]
+        fn, static = _STEP_FUNCTIONS[step]
         return self._jit(fn, static_argnames=static)
 
     def _pin_scratch(self):
@@ -237,7 +237,7 @@ def _generate(model, scratch, prompt, lengths, rng, params, stop_ids, limit, chu
 
 
 # Each step run by a plan, and its static arguments.
-_STEPS = {
+_STEP_FUNCTIONS = {
     "generate": (_generate, ("chunk",)),
     "start": (start, ("chunk",)),
     "decode": (decode_loop, ()),

@@ -60,7 +60,7 @@ class Plan:
         layout = Layout.build(engine.declarations(model), dims, platform(), engine.partitioner)
         compiled = compile_steps(engine, layout, chunk, steps)
         # The steps were traced by jitted functions of their own, which die in reference
-        # cycles; collecting them frees their traces (37 MiB for SmolLM2's `generate`).
+        # cycles; collecting them frees their traces (about 35 MiB for SmolLM2's `generate`).
         gc.collect()
         release_host_memory()
         return cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
