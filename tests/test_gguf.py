@@ -216,6 +216,45 @@ def test_read_equals_gguf_dequantize(tmp_path, kind):
             assert error <= ROUND_TRIP_ERROR[kind] * np.abs(original).max(), name
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+def test_non_finite_block_scales_are_reported_at_load(tmp_path, kind):
+    import jaxlm
+
+    rng = np.random.default_rng(0)
+
+    def make(name, rows, cols):
+        data = rng.standard_normal((rows, cols)).astype(np.float32)
+        return name, gguf.quants.quantize(data, kind), kind
+
+    tensors = tiny_llama_tensors(make, rng)
+    block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+    up = next(i for i, t in enumerate(tensors) if t[0] == "blk.0.ffn_up.weight")
+
+    def with_scale(value, offset):
+        # Block 3 of the first row of `ffn_up` gets float16 `value` as its scale (offset 0) or,
+        # in Q4_1, its offset (2).
+        name, raw, _ = tensors[up]
+        raw = raw.copy()
+        at = 3 * block_bytes + offset
+        raw[0, at : at + 2] = np.array([value], np.float16).view(np.uint8)
+        changed = [*tensors[:up], (name, raw, kind), *tensors[up + 1 :]]
+        return write_gguf(tmp_path / f"{kind.name}.gguf", "llama", changed, **TINY)
+
+    for offset in (0, 2) if kind == Q.Q4_1 else (0,):
+        for value in (np.nan, np.inf, -np.inf):
+            path = with_scale(value, offset)
+            with pytest.raises(LoadError, match=r"`blk\.0\.ffn_up\.weight`.* holds \d+ NaN"):
+                jaxlm.load(path, progress=False)
+    # The largest float16 scale times a quantised value is finite in float32 and bfloat16, and
+    # beyond the range of float16.
+    path = with_scale(65504.0, 0)
+    for dtype in (np.float32, jax.numpy.bfloat16):
+        model, _ = jaxlm.load(path, dtype=dtype, progress=False)
+        assert np.abs(np.asarray(model.model.layers[0].mlp.up_proj.weight[...])).max() > 65504
+    with pytest.raises(LoadError, match=r"`blk\.0\.ffn_up\.weight`.* beyond the range"):
+        jaxlm.load(path, dtype=np.float16, progress=False)
+
+
 def assert_same_fields(path):
     """jaxlm's reader parses `path` as `gguf.GGUFReader` does, field by field."""
     ours, theirs = _Reader(path), gguf.GGUFReader(path)

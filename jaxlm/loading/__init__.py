@@ -237,7 +237,8 @@ def _to_model(raw, *, decode, dtype, transposed: bool) -> tuple[jax.Array, jax.A
     x = raw if decode is None else decode(raw)
     x = x.astype(dtype)
     x = x.T if transposed else x
-    return x, jnp.isfinite(x).all()
+    finite = None if decode is None else decode.finite(raw, dtype)
+    return x, jnp.isfinite(x).all() if finite is None else finite
 
 
 def _not_finite(checkpoint, name: str, tensor, dtype) -> str:

@@ -393,6 +393,24 @@ class Dequantizer:
         x = x.reshape(self.shape)
         return x if self.heads is None else unpermute_qk(x, self.heads)
 
+    def finite(self, raw: jax.Array, dtype) -> jax.Array | None:
+        """Whether decoding `raw` and casting it to `dtype` gives finite values, read from the
+        blocks' scales alone; None where only the decoded values can tell.
+
+        A quantised value is a small integer times a float16 scale, plus a float16 offset in
+        Q4_1: at most about 1.7e7 in magnitude, so finite in float32 and bfloat16 exactly when
+        the scales are. XLA:CPU's reductions are slow, and checking all of SmolLM2's decoded
+        weights took 0.35 s of its 0.8 s load.
+        """
+        if self.kind not in _BLOCK_BYTES or jnp.dtype(dtype) == jnp.float16:
+            return None
+        blocks = raw.reshape(-1, _BLOCK_BYTES[self.kind])
+        scales = [blocks[:, 0:2]]
+        if self.kind == GGMLQuantizationType.Q4_1:
+            scales.append(blocks[:, 2:4])
+        pairs = jnp.concatenate(scales, axis=1).reshape(-1, 2)
+        return jnp.isfinite(jax.lax.bitcast_convert_type(pairs, jnp.float16)).all()
+
     def _blocks(self, blocks: jax.Array) -> jax.Array:
         # Each block starts with float16 scale `d`; Q4_1 adds a float16 offset `m`. Four-bit
         # blocks keep values 0-15 in the low nibbles of their 16 bytes and 16-31 in the high.
