@@ -3,9 +3,10 @@
 Every projection of every layer and the LM head run on `rows` activation rows with the model's
 own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no attention, no
 sampling). The variants:
-- `in,out`: the weights as jaxlm stores them, `x @ w`;
-- `out,in`: PyTorch's layout, contracting the last dimension of both;
-- `fused qkv, gate/up`: q, k and v concatenated into one `in,out` weight, gate and up into
+- `out,in`: the weights as jaxlm stores them (PyTorch's layout), through `jaxlm.layers.matmul`,
+  which contracts the last dimension of both operands;
+- `in,out`: the transposed layout, `x @ w`;
+- `fused qkv, gate/up`: q, k and v concatenated into one `out,in` weight, gate and up into
   another, so a layer runs four matmuls instead of seven;
 - `fused gate/up`: only gate and up concatenated.
 
@@ -14,7 +15,8 @@ milliseconds per step and the weight bytes one step reads over the median time. 
 computes what `in,out` computes (`max diff`, after one step). The weight copies of the other
 layouts need about three times the model's weights in memory.
 
-Usage: python benchmarks/matmul_step.py [--model PATH] [--rows 1,8] [--steps 16] [--rounds 5]
+Usage: python benchmarks/matmul_step.py [--model PATH] [--dtype float32] [--rows 1,8] [--steps 16]
+    [--rounds 5]
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.bench import OtherLoad, text_table
+from jaxlm.layers import matmul
 
-VARIANTS = ("in,out", "out,in", "fused qkv, gate/up", "fused gate/up")
+VARIANTS = ("out,in", "in,out", "fused qkv, gate/up", "fused gate/up")
 
 
 def layer_weights(model) -> tuple[list[dict], jax.Array]:
-    """Each layer's projection weights (`[in, out]`) and the LM head `[hidden, vocab]`."""
+    """Each layer's projection weights (`[out, in]`) and the LM head `[vocab, hidden]`."""
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -55,15 +58,15 @@ def layer_weights(model) -> tuple[list[dict], jax.Array]:
 
 
 def _variant_weights(variant: str, layers: list[dict], head: jax.Array):
-    if variant == "out,in":
+    if variant == "in,out":
         return [{k: jnp.asarray(w.T) for k, w in ws.items()} for ws in layers], jnp.asarray(head.T)
     fused = []
     for ws in layers:
         ws = dict(ws)
         if variant == "fused qkv, gate/up":
-            ws["qkv"] = jnp.concatenate([ws.pop("q"), ws.pop("k"), ws.pop("v")], axis=1)
+            ws["qkv"] = jnp.concatenate([ws.pop("q"), ws.pop("k"), ws.pop("v")], axis=0)
         if variant.startswith("fused"):
-            ws["gate_up"] = jnp.concatenate([ws.pop("gate"), ws.pop("up")], axis=1)
+            ws["gate_up"] = jnp.concatenate([ws.pop("gate"), ws.pop("up")], axis=0)
         fused.append(ws)
     return fused, head
 
@@ -73,10 +76,13 @@ def make_step(variant: str, steps: int, qkv_split: tuple[int, int]):
 
     `qkv_split` is where the keys and the values start in a fused q/k/v output.
     """
-    out_in = variant == "out,in"
 
     def mm(x, w):
-        return jax.lax.dot_general(x, w, (((1,), (1 if out_in else 0,)), ((), ())))
+        if variant == "in,out":
+            return jax.lax.dot_general(
+                x.astype(w.dtype), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+        return matmul(x, w)
 
     def layer(x, ws):
         if "qkv" in ws:
@@ -105,17 +111,22 @@ def make_step(variant: str, steps: int, qkv_split: tuple[int, int]):
 
 
 def run(
-    model_path: str | None, rows: list[int], steps: int, rounds: int, variants=VARIANTS
+    model_path: str | None,
+    rows: list[int],
+    steps: int,
+    rounds: int,
+    variants=VARIANTS,
+    dtype: str = "float32",
 ) -> dict:
     """Time every variant at every row count; see the module's docstring."""
     import jaxlm
 
-    model, _ = jaxlm.load(model_path, progress=False)
+    model, _ = jaxlm.load(model_path, dtype=dtype, progress=False)
     layers, head = layer_weights(model)
-    q, k = layers[0]["q"].shape[1], layers[0]["k"].shape[1]
+    q, k = layers[0]["q"].shape[0], layers[0]["k"].shape[0]
     weight_bytes = sum(w.nbytes for ws in layers for w in ws.values()) + head.nbytes
     rng = np.random.default_rng(0)
-    xs = {m: jnp.asarray(rng.standard_normal((m, head.shape[0])), jnp.float32) for m in rows}
+    xs = {m: jnp.asarray(rng.standard_normal((m, head.shape[1])), jnp.float32) for m in rows}
     cases, outputs = {}, {}
     for variant in variants:
         ws, h = _variant_weights(variant, layers, head)
@@ -145,6 +156,7 @@ def run(
             }
         )
     return {
+        "dtype": dtype,
         "weight_bytes": weight_bytes,
         "steps": steps,
         "rounds": rounds,
@@ -167,11 +179,12 @@ def format_table(report: dict) -> str:
         for r in report["results"]
     ]
     lines = [
-        f"matmuls of a decode step, {report['weight_bytes'] / 2**20:.1f} MiB of weights, "
+        f"matmuls of a decode step, {report['weight_bytes'] / 2**20:.1f} MiB of "
+        f"{report['dtype']} weights, "
         f"{report['steps']} steps per call, medians of {report['rounds']} rounds; "
         f"load {report['other_load_cores']:.2f} (cores busy with other processes)",
         *text_table(header, rows),
-        "max diff: largest difference from `in,out`'s output after one step",
+        "max diff: largest difference from `out,in`'s output after one step",
     ]
     return "\n".join(lines)
 
@@ -183,12 +196,13 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="Hugging Face directory or .gguf file")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--rows", type=_ints, default=[1, 8], help="activation rows, e.g. 1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed call")
     p.add_argument("--rounds", type=int, default=5, help="timed calls per variant")
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     args = p.parse_args(argv)
-    report = run(args.model, args.rows, args.steps, args.rounds)
+    report = run(args.model, args.rows, args.steps, args.rounds, dtype=args.dtype)
     print(format_table(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -374,9 +374,6 @@ def to_transformers(model):
     state = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
         value = np.array(var.get_value(), np.float32)
-        # Weights marked `transposed` are stored as `[in, out]`, the transpose of PyTorch's.
-        if var.get_metadata().get("transposed", False):
-            value = np.ascontiguousarray(value.T)
         state[".".join(map(str, path))] = torch.from_numpy(value).to(dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (c.tie_word_embeddings and k == "lm_head.weight")]

@@ -1,11 +1,19 @@
 """Building blocks shared by the decoders: linear layers, RMSNorm, rotary embeddings, SwiGLU MLP.
 
-Parameters are named as in Hugging Face checkpoints, but 2-D weights are stored as `[in, out]`,
-the transpose of PyTorch's `[out, in]`; such parameters carry `transposed=True` metadata and the
-loader transposes them. Measured on XLA:CPU on a quiet machine (60 matmuls of 576x1536 in a
-loop), `[in, out]` ran 1.47x faster at 8 rows (124 against 182 us) and the same at 128 rows,
-while `[out, in]` ran 15-28% faster at 1 row (77 against 91 us). Batched decode gains more than
-batch-1 decode loses, so the layout favours batches.
+Parameters are named and laid out as in Hugging Face checkpoints: 2-D weights are `[out, in]`,
+and a matmul contracts the last dimension of both operands (PyTorch's `F.linear`). Measured on
+this project's Xeon with AMX (`benchmarks/matmul_step.py`, every projection and the LM head of
+SmolLM2, ms per decode step), against `[in, out]` weights contracted on their first dimension:
+
+| rows | float32 `[out, in]` | float32 `[in, out]` | bfloat16 `[out, in]` | bfloat16 `[in, out]` |
+|---|---|---|---|---|
+| 1 | 25.5 | 25.4 | | |
+| 4 | | | 22.5 | 30.0 |
+| 8 | 38.0 | 43.9 | 23.0 | 30.4 |
+| 128 | 104.0 | 108.4 | 58.2 | 62.6 |
+
+Other CPUs differ: on an AMD EPYC, `[in, out]` ran 1.47x faster at 8 rows and 15-28% slower at
+1 row; on an Ice Lake Xeon, the two were within 7% of each other at 1 and 8 rows.
 
 Activations flow in float32; a matmul casts its input to the weight dtype and accumulates in
 float32 (`preferred_element_type`), which runs natively in bfloat16 on CPUs with bf16
@@ -49,14 +57,14 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w` for `w` `[in, out]`, accumulated in float32."""
+    """`x @ w.T` for `w` `[out, in]`, accumulated in float32."""
     return jax.lax.dot_general(
-        x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
 
 
 class Linear(nnx.Module):
-    """`y = x @ weight + bias`, with `weight` stored as `[in, out]`.
+    """`y = x @ weight.T + bias`, with `weight` stored as `[out, in]`.
 
     `axes` names the logical sharding axes of `in` and `out` (see `jaxlm.sharding`).
     """
@@ -71,8 +79,8 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         axes: tuple[str | None, str | None] = (None, None),
     ):
-        weight = _normal(rngs, (in_features, out_features), dtype)
-        self.weight = nnx.Param(weight, transposed=True, axes=axes)
+        weight = _normal(rngs, (out_features, in_features), dtype)
+        self.weight = nnx.Param(weight, axes=axes[::-1])
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), axes=axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -83,21 +91,13 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """Token embeddings, also the LM head when the embeddings are tied.
+    """Token embeddings `[vocab, features]`, also the LM head when the embeddings are tied."""
 
-    A tied embedding is stored as `[features, vocab]`, the layout of a fast LM-head matmul; the
-    lookup then gathers columns, which costs little for the few tokens of a step.
-    """
-
-    def __init__(self, num_embeddings: int, features: int, *, tied: bool, dtype, rngs: nnx.Rngs):
-        self.tied = tied
-        shape = (features, num_embeddings) if tied else (num_embeddings, features)
-        axes = (None, "vocab") if tied else ("vocab", None)
-        self.weight = nnx.Param(_normal(rngs, shape, dtype), transposed=tied, axes=axes)
+    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
+        weight = _normal(rngs, (num_embeddings, features), dtype)
+        self.weight = nnx.Param(weight, axes=("vocab", None))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        if self.tied:
-            return jnp.moveaxis(jnp.take(self.weight[...], ids, axis=1), 0, -1).astype(jnp.float32)
         return jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
 
     def attend(self, x: jax.Array) -> jax.Array:

@@ -148,16 +148,14 @@ def build_model(
     for name, var in tqdm(
         variables.items(), desc="Loading weights", unit="tensor", disable=disable
     ):
-        transposed = var.get_metadata().get("transposed", False)
         expected = var.get_value().shape
-        in_checkpoint = expected[::-1] if transposed else expected
-        _check_shape(where, name, checkpoint.shape(name), in_checkpoint)
+        _check_shape(where, name, checkpoint.shape(name), expected)
         if partitioner is None:
             raw, decode = checkpoint.encoded(name)
-            value, finite[name] = _to_model(raw, decode=decode, dtype=dtype, transposed=transposed)
+            value, finite[name] = _to_model(raw, decode=decode, dtype=dtype)
         else:
             sharding = partitioner.sharding(param_axes(var))
-            value = _place(checkpoint.slicer(name), expected, transposed, dtype, sharding)
+            value = _place(checkpoint.slicer(name), expected, dtype, sharding)
             finite[name] = _all_finite(value)
         var.set_value(value)
     # The checks ran as each tensor was placed; reading their results once at the end keeps
@@ -177,12 +175,10 @@ def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
         )
 
 
-def _place(read, shape, transposed: bool, dtype, sharding) -> jax.Array:
+def _place(read, shape, dtype, sharding) -> jax.Array:
     """Tensor `read` placed with `sharding`: each device reads, casts and receives its piece."""
 
     def piece(index):
-        if transposed:
-            return np.asarray(read(index[::-1])).astype(dtype).T
         return np.asarray(read(index)).astype(dtype)
 
     return jax.make_array_from_callback(shape, sharding, piece)
@@ -229,14 +225,13 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()
 
 
-@functools.partial(jax.jit, static_argnames=("decode", "dtype", "transposed"))
-def _to_model(raw, *, decode, dtype, transposed: bool) -> tuple[jax.Array, jax.Array]:
-    """A checkpoint tensor decoded (`decode`, a GGUF `Dequantizer`, or `None`), cast to `dtype`
-    and laid out as the model holds it, and whether it is all finite in `dtype`.
+@functools.partial(jax.jit, static_argnames=("decode", "dtype"))
+def _to_model(raw, *, decode, dtype) -> tuple[jax.Array, jax.Array]:
+    """A checkpoint tensor decoded (`decode`, a GGUF `Dequantizer`, or `None`) and cast to
+    `dtype`, and whether it is all finite in `dtype`.
     """
     x = raw if decode is None else decode(raw)
     x = x.astype(dtype)
-    x = x.T if transposed else x
     finite = None if decode is None else decode.finite(raw, dtype)
     return x, jnp.isfinite(x).all() if finite is None else finite
 

@@ -169,13 +169,7 @@ def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            tied=config.tie_word_embeddings,
-            dtype=dtype,
-            rngs=rngs,
-        )
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
         )

@@ -71,7 +71,7 @@ def test_shard_moves_a_loaded_model(saved, single):
     sharded = jaxlm.shard(model, (2, 2))
     np.testing.assert_allclose(np.asarray(sharded(ids)), logits, atol=1e-5, rtol=0)
     q = sharded.model.layers[0].self_attn.q_proj.weight[...]
-    assert q.sharding.spec == P(None, "model")
+    assert q.sharding.spec == P("model", None)
 
 
 def _by_device(arrays) -> dict:
@@ -87,12 +87,14 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
     model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(2, 2))
     attn = model.model.layers[0].self_attn
     expected = [
-        (attn.q_proj.weight, P(None, "model")),
-        (attn.k_proj.weight, P(None, "model")),
-        (attn.o_proj.weight, P("model", None)),
-        (model.model.layers[0].mlp.down_proj.weight, P("model", None)),
+        # Weights are `[out, in]`: column-parallel ones split their rows, row-parallel ones
+        # their columns.
+        (attn.q_proj.weight, P("model", None)),
+        (attn.k_proj.weight, P("model", None)),
+        (attn.o_proj.weight, P(None, "model")),
+        (model.model.layers[0].mlp.down_proj.weight, P(None, "model")),
         (model.model.embed_tokens.weight, P("model", None)),
-        (model.lm_head.weight, P(None, "model")),
+        (model.lm_head.weight, P("model", None)),
     ]
     for var, spec in expected:
         assert var[...].sharding.spec == spec
@@ -121,7 +123,7 @@ def test_too_few_kv_heads_are_replicated(saved):
     # 2 KV heads cannot split 4 ways: every device keeps both, with its own 2 query heads.
     model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight[...].sharding.spec == P(None, "model")
+    assert attn.q_proj.weight[...].sharding.spec == P("model", None)
     assert attn.k_proj.weight[...].sharding.spec == P(None, None)
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
     k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_cache"]
