@@ -7,7 +7,7 @@ SmolLM2, ms per decode step), against `[in, out]` weights contracted on their fi
 
 | rows | float32 `[out, in]` | float32 `[in, out]` | bfloat16 `[out, in]` | bfloat16 `[in, out]` |
 |---|---|---|---|---|
-| 1 | 25.5 | 25.4 | | |
+| 1 | 25.5 | 25.4 | (4 rows: see `matmul`) | |
 | 4 | | | 22.5 | 30.0 |
 | 8 | 38.0 | 43.9 | 23.0 | 30.4 |
 | 128 | 104.0 | 108.4 | 58.2 | 62.6 |
@@ -17,7 +17,7 @@ Other CPUs differ: on an AMD EPYC, `[in, out]` ran 1.47x faster at 8 rows and 15
 
 Activations flow in float32; a matmul casts its input to the weight dtype and accumulates in
 float32 (`preferred_element_type`), which runs natively in bfloat16 on CPUs with bf16
-instructions.
+instructions, from 4 rows on (see `matmul`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,24 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+# XLA:CPU runs a bfloat16 matmul natively (YNNPACK) from this many rows on.
+_NATIVE_BF16_ROWS = 4
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` for `w` `[out, in]`, accumulated in float32."""
+    """`x @ w.T` for `w` `[out, in]`, accumulated in float32.
+
+    On CPU, bfloat16 weights meet at least 4 rows: with fewer, XLA computes in float32 and
+    converts the whole weight, a conversion that it hoists out of the decode loop, so a bf16
+    model held a float32 copy of its weights while it decoded (SmolLM2: 513 MiB of temporaries
+    on 257 MiB of weights). The padded rows cost less than the copy: bf16 decode at batch 1 ran
+    the matmuls of a step in 22.5 ms, float32 in 25.5 ms (`benchmarks/matmul_step.py`).
+    float16 weights are converted to float32 at any row count, so padding them gains nothing.
+    """
+    rows = math.prod(x.shape[:-1])
+    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and jax.default_backend() == "cpu":
+        flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, _NATIVE_BF16_ROWS - rows), (0, 0)))
+        return matmul(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
     return jax.lax.dot_general(
         x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )

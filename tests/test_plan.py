@@ -269,3 +269,19 @@ def test_release_host_memory_returns_free_heap_pages():
     # The kernel's count of resident pages drops by most of the 240 MiB freed.
     assert before - current_rss() > 160 << 20
     del kept
+
+
+def test_bfloat16_decode_holds_no_float32_copy_of_the_weights(tmp_path):
+    # With fewer than 4 rows, XLA:CPU computes a bf16 matmul in float32 and hoists the
+    # conversion of every weight out of the decode loop: a float32 copy of the weights among
+    # the temporaries. A float32 model's plan shows the temporaries without it.
+    make_hf_model(tmp_path, "llama_gqa4")
+    temps = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model, _ = jaxlm.load(tmp_path, dtype=dtype)
+        plan = jaxlm.plan(model, max_batch=1, max_seq_len=32)
+        temps[dtype] = {name: e.temp for name, e in plan.executables.items()}
+        weights = jax.tree.leaves(nnx.state(model, nnx.Param))
+        float32_weights = sum(4 * w.size for w in weights if w.ndim == 2)
+    for name, temp in temps[jnp.bfloat16].items():
+        assert temp < temps[jnp.float32][name] + float32_weights / 4, (name, temps)
