@@ -285,3 +285,8 @@ def test_bfloat16_decode_holds_no_float32_copy_of_the_weights(tmp_path):
         float32_weights = sum(4 * w.size for w in weights if w.ndim == 2)
     for name, temp in temps[jnp.bfloat16].items():
         assert temp < temps[jnp.float32][name] + float32_weights / 4, (name, temps)
+    # Nor of the embedding table, which XLA:CPU would convert whole to gather a bf16 row.
+    c = model.config
+    table = f"f32[{c.vocab_size},{c.hidden_size}]"
+    for name, compiled in plan.compiled.items():
+        assert table not in compiled.as_text(), name
