@@ -290,3 +290,24 @@ def test_bfloat16_decode_holds_no_float32_copy_of_the_weights(tmp_path):
     table = f"f32[{c.vocab_size},{c.hidden_size}]"
     for name, compiled in plan.compiled.items():
         assert table not in compiled.as_text(), name
+
+
+def test_bfloat16_prefill_attends_without_converting_the_cache(tmp_path):
+    # A chunk of several tokens multiplies the bf16 cache natively; a float32 product would
+    # convert each layer's cache to float32 first.
+    make_hf_model(tmp_path, "llama_gqa4")
+    model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.engine.params)
+    sds = jax.ShapeDtypeStruct
+    hlo = (
+        plan.engine.prefill_step.lower(
+            abstract, plan.layout.abstract(), sds((1, 16), jnp.int32), sds((1,), jnp.int32)
+        )
+        .compile()
+        .as_text()
+    )
+    c = model.config
+    n, d = c.num_key_value_heads, c.head_dim
+    assert "bf16" in hlo
+    assert f"f32[{n},{d},32]" not in hlo and f"f32[{n},32,{d}]" not in hlo

@@ -98,11 +98,19 @@ class Attention(nnx.Module):
         c = self.config
         nkv, g = c.num_key_value_heads, c.num_kv_groups
         q = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * nkv, g * t, d)
-        scores = jnp.einsum("nqd,nds->nqs", q, k) * (d**-0.5)
+        # A chunk of several tokens multiplies in the cache's dtype, accumulating in float32:
+        # bf16 runs natively on CPUs with bf16 instructions (SmolLM2's prefill of 8 x 128
+        # tokens: 2030 -> 2300 tok/s). A decode step converts the cache to float32 instead;
+        # its bf16 products ran slower (217 -> 153 tok/s at batch 8).
+        dtype = k.dtype if t > 1 else jnp.float32
+        f32 = jnp.float32
+        scores = jnp.einsum("nqd,nds->nqs", q.astype(dtype), k, preferred_element_type=f32)
+        scores = scores * (d**-0.5)
         mask = jnp.broadcast_to(mask[:, None, None], (b, nkv, g, t, mask.shape[-1]))
         scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("nqs,nsd->nqd", probs, v).reshape(b, nkv, g, t, d)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("nqs,nsd->nqd", probs, v.astype(dtype), preferred_element_type=f32)
+        out = out.reshape(b, nkv, g, t, d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, c.num_attention_heads * d)
 
     def _attend_filled(self, q, k, v, mask, end):
