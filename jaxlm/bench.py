@@ -373,7 +373,11 @@ def to_transformers(model):
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     state = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        value = np.array(var.get_value(), np.float32)
+        value = np.asarray(var.get_value())
+        if value.dtype == np.uint16:
+            # A table stored as the bits of the model's dtype (see `jaxlm.layers.Embedding`).
+            value = value.view(model.dtype)
+        value = np.array(value, np.float32)
         state[".".join(map(str, path))] = torch.from_numpy(value).to(dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (c.tie_word_embeddings and k == "lm_head.weight")]

@@ -56,6 +56,10 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
 # XLA:CPU runs a bfloat16 matmul natively (YNNPACK) from this many rows on.
 _NATIVE_BF16_ROWS = 4
 
@@ -71,7 +75,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     float16 weights are converted to float32 at any row count, so padding them gains nothing.
     """
     rows = math.prod(x.shape[:-1])
-    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and jax.default_backend() == "cpu":
+    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and _on_cpu():
         flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, _NATIVE_BF16_ROWS - rows), (0, 0)))
         return matmul(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
     return jax.lax.dot_general(
@@ -107,20 +111,32 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """Token embeddings `[vocab, features]`, also the LM head when the embeddings are tied."""
+    """Token embeddings `[vocab, features]`, also the LM head when the embeddings are tied.
 
-    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
+    XLA:CPU gathers 16-bit float rows from a float32 copy of the whole table, which it hoists
+    out of the decode loop (1.9 GiB for Llama-3.1-8B in bf16), and a bitcast of the whole table
+    to integers is hoisted as a copy too. So with `as_bits`, a 16-bit table is stored as its
+    `uint16` bits, whose rows gather in place and exactly; only a table that is not also the LM
+    head can be, since the head's matmul needs the floats.
+    """
+
+    def __init__(
+        self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs, as_bits: bool = False
+    ):
+        self.dtype = jnp.dtype(dtype)
         weight = _normal(rngs, (num_embeddings, features), dtype)
+        if as_bits:
+            weight = jax.lax.bitcast_convert_type(weight, jnp.uint16)
         self.weight = nnx.Param(weight, axes=("vocab", None))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         weight = self.weight[...]
-        if weight.dtype.itemsize == 2 and jax.default_backend() == "cpu":
-            # XLA:CPU gathers 16-bit float rows from a float32 copy of the whole table, which it
-            # hoists out of the decode loop (1.9 GiB for Llama-3.1-8B in bf16); the rows of the
-            # table's bits gather in place, and exactly.
-            bits = jnp.take(jax.lax.bitcast_convert_type(weight, jnp.uint16), ids, axis=0)
-            return jax.lax.bitcast_convert_type(bits, weight.dtype).astype(jnp.float32)
+        if weight.dtype == jnp.uint16 or (self.dtype.itemsize == 2 and _on_cpu()):
+            # A tied 16-bit table gathers from its bits too: XLA then copies the bits, half
+            # the bytes of a float32 copy.
+            bits = jax.lax.bitcast_convert_type(weight, jnp.uint16)
+            rows = jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), self.dtype)
+            return rows.astype(jnp.float32)
         return jnp.take(weight, ids, axis=0).astype(jnp.float32)
 
     def attend(self, x: jax.Array) -> jax.Array:

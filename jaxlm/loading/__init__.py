@@ -149,14 +149,18 @@ def build_model(
         variables.items(), desc="Loading weights", unit="tensor", disable=disable
     ):
         expected = var.get_value().shape
+        # A parameter the model stores as the bits of `dtype` (see `Embedding`).
+        bits = var.get_value().dtype == jnp.uint16
         _check_shape(where, name, checkpoint.shape(name), expected)
         if partitioner is None:
             raw, decode = checkpoint.encoded(name)
-            value, finite[name] = _to_model(raw, decode=decode, dtype=dtype)
+            value, finite[name] = _to_model(raw, decode=decode, dtype=dtype, bits=bits)
         else:
             sharding = partitioner.sharding(param_axes(var))
             value = _place(checkpoint.slicer(name), expected, dtype, sharding)
             finite[name] = _all_finite(value)
+            if bits:
+                value = jax.lax.bitcast_convert_type(value, jnp.uint16)
         var.set_value(value)
     # The checks ran as each tensor was placed; reading their results once at the end keeps
     # loading from waiting on the device tensor by tensor.
@@ -225,15 +229,16 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()
 
 
-@functools.partial(jax.jit, static_argnames=("decode", "dtype"))
-def _to_model(raw, *, decode, dtype) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("decode", "dtype", "bits"))
+def _to_model(raw, *, decode, dtype, bits: bool) -> tuple[jax.Array, jax.Array]:
     """A checkpoint tensor decoded (`decode`, a GGUF `Dequantizer`, or `None`) and cast to
-    `dtype`, and whether it is all finite in `dtype`.
+    `dtype` (as its `uint16` bits with `bits`), and whether it is all finite in `dtype`.
     """
     x = raw if decode is None else decode(raw)
     x = x.astype(dtype)
     finite = None if decode is None else decode.finite(raw, dtype)
-    return x, jnp.isfinite(x).all() if finite is None else finite
+    finite = jnp.isfinite(x).all() if finite is None else finite
+    return (jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x), finite
 
 
 def _not_finite(checkpoint, name: str, tensor, dtype) -> str:

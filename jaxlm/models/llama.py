@@ -177,7 +177,15 @@ def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
 class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            rngs=rngs,
+            as_bits=jnp.dtype(dtype).itemsize == 2
+            and not config.tie_word_embeddings
+            and jax.default_backend() == "cpu",
+        )
         self.layers = nnx.List(
             [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
         )
