@@ -322,3 +322,19 @@ def test_bfloat16_prefill_attends_without_converting_the_cache(tmp_path):
     n, d = c.num_key_value_heads, c.head_dim
     assert "bf16" in hlo
     assert f"f32[{n},{d},32]" not in hlo and f"f32[{n},32,{d}]" not in hlo
+
+
+def test_bfloat16_caches_are_not_copied_when_attention_reads_part_of_them(tmp_path):
+    # Above 256 slots, attention picks the filled part of the cache in a conditional; bf16
+    # caches (stored as uint16) read before it were copied twice per layer and step.
+    make_hf_model(tmp_path, "llama_gqa4")
+    model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
+    seq = 1024
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=seq)
+    c = model.config
+    n, d = c.num_key_value_heads, c.head_dim
+    hlo = plan.compiled["decode"].as_text()
+    assert "conditional(" in hlo
+    shapes = (f"[{n},{seq},{d}]", f"[{n},{d},{seq}]")
+    copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line)]
+    assert not [line for line in copies if any(s in line for s in shapes)], copies

@@ -115,7 +115,8 @@ class Attention(nnx.Module):
 
     def _attend_filled(self, q, k, v, mask, end):
         """`_attend` over the cache's first slots only: the smallest of its sizes (256 slots
-        doubling up to the whole cache) that holds the `end` slots in use.
+        doubling up to the whole cache) that holds the `end` slots in use. `k` and `v` are the
+        caches as stored (`jaxlm.memory.read_cache` reads them).
 
         Slots from `end` on are masked for every query, so leaving them out changes nothing
         but the work: a 128-token prompt in a plan of 4096 slots decoded 1.5x slower when
@@ -124,11 +125,15 @@ class Attention(nnx.Module):
         seq = k.shape[-1]
         sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
         if not sizes:
-            return self._attend(q, k, v, mask)
+            return self._attend(q, read_cache(k), read_cache(v), mask)
         sizes.append(seq)
 
         def attend(size, q, k, v, mask):
-            return self._attend(q, k[..., :size], v[:, :size], mask[..., :size])
+            # The caches enter in their storage dtype and are read inside the branch: bf16
+            # caches stored as uint16 and read before the branch made XLA copy each cache
+            # twice per step, to hold both the updated bits and their bf16 view.
+            k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
+            return self._attend(q, k, v, mask[..., :size])
 
         branch = jnp.searchsorted(jnp.asarray(sizes), end)
         branches = [functools.partial(attend, size) for size in sizes]
@@ -142,7 +147,7 @@ class Attention(nnx.Module):
         k_cache = write_cache(scratch["k_cache"], k, index, axis=2)
         v_cache = write_cache(scratch["v_cache"], v, index, axis=1)
         end = index + x.shape[1]
-        out = self._attend_filled(q, read_cache(k_cache), read_cache(v_cache), mask, end)
+        out = self._attend_filled(q, k_cache, v_cache, mask, end)
         return self.o_proj(out), {"k_cache": k_cache, "v_cache": v_cache}
 
 
