@@ -115,17 +115,15 @@ class Embedding(nnx.Module):
 
     XLA:CPU gathers 16-bit float rows from a float32 copy of the whole table, which it hoists
     out of the decode loop (1.9 GiB for Llama-3.1-8B in bf16), and a bitcast of the whole table
-    to integers is hoisted as a copy too. So with `as_bits`, a 16-bit table is stored as its
-    `uint16` bits, whose rows gather in place and exactly; only a table that is not also the LM
-    head can be, since the head's matmul needs the floats.
+    to integers is hoisted as a copy too. So on CPU an untied 16-bit table is stored as its
+    `uint16` bits, whose rows gather in place and exactly; a `tied` one keeps its floats, which
+    the LM head's matmul needs.
     """
 
-    def __init__(
-        self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs, as_bits: bool = False
-    ):
+    def __init__(self, num_embeddings: int, features: int, *, tied: bool, dtype, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(dtype)
         weight = _normal(rngs, (num_embeddings, features), dtype)
-        if as_bits:
+        if self.dtype.itemsize == 2 and not tied and _on_cpu():
             weight = jax.lax.bitcast_convert_type(weight, jnp.uint16)
         self.weight = nnx.Param(weight, axes=("vocab", None))
 

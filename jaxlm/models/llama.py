@@ -185,11 +185,9 @@ class LlamaModel(nnx.Module):
         self.embed_tokens = Embedding(
             config.vocab_size,
             config.hidden_size,
+            tied=config.tie_word_embeddings,
             dtype=dtype,
             rngs=rngs,
-            as_bits=jnp.dtype(dtype).itemsize == 2
-            and not config.tie_word_embeddings
-            and jax.default_backend() == "cpu",
         )
         self.layers = nnx.List(
             [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
