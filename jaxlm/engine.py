@@ -35,6 +35,7 @@ from jaxlm.memory import (
     ScratchSpec,
     declarations,
     parse_bytes,
+    platform,
     set_path,
     write_cache,
 )
@@ -385,7 +386,3 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         futures = {name: pool.submit(step.compile) for name, step in lowered.items()}
     return {name: future.result() for name, future in futures.items()}
-
-
-def platform() -> str:
-    return jax.devices()[0].platform

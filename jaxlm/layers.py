@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.config import ModelConfig
+from jaxlm.memory import platform
 
 _SHAPES_ONLY = contextvars.ContextVar("jaxlm_shapes_only", default=False)
 
@@ -56,10 +57,6 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
-
-
 # XLA:CPU runs a bfloat16 matmul natively (YNNPACK) from this many rows on.
 _NATIVE_BF16_ROWS = 4
 
@@ -75,7 +72,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     float16 weights are converted to float32 at any row count, so padding them gains nothing.
     """
     rows = math.prod(x.shape[:-1])
-    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and _on_cpu():
+    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and platform() == "cpu":
         flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, _NATIVE_BF16_ROWS - rows), (0, 0)))
         return matmul(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
     return jax.lax.dot_general(
@@ -123,13 +120,13 @@ class Embedding(nnx.Module):
     def __init__(self, num_embeddings: int, features: int, *, tied: bool, dtype, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(dtype)
         weight = _normal(rngs, (num_embeddings, features), dtype)
-        if self.dtype.itemsize == 2 and not tied and _on_cpu():
+        if self.dtype.itemsize == 2 and not tied and platform() == "cpu":
             weight = jax.lax.bitcast_convert_type(weight, jnp.uint16)
         self.weight = nnx.Param(weight, axes=("vocab", None))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         weight = self.weight[...]
-        if weight.dtype == jnp.uint16 or (self.dtype.itemsize == 2 and _on_cpu()):
+        if weight.dtype == jnp.uint16 or (self.dtype.itemsize == 2 and platform() == "cpu"):
             # A tied 16-bit table gathers from its bits too: XLA then copies the bits, half
             # the bytes of a float32 copy.
             bits = jax.lax.bitcast_convert_type(weight, jnp.uint16)

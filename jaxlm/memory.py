@@ -80,6 +80,11 @@ class ScratchSpec:
         )
 
 
+def platform() -> str:
+    """The platform jaxlm computes on (`"cpu"`, `"gpu"`, ...): its default device's."""
+    return jax.devices()[0].platform
+
+
 def storage_dtype(dtype: np.dtype, platform: str) -> np.dtype:
     """The dtype a slot is stored in on `platform`.
 

@@ -10,13 +10,14 @@ import threading
 import jax
 import numpy as np
 
-from jaxlm.engine import Engine, compile_steps, platform, weights_bytes
+from jaxlm.engine import Engine, compile_steps, weights_bytes
 from jaxlm.errors import PlanError
 from jaxlm.memory import (
     ALIGNMENT,
     ExecutableMemory,
     Layout,
     format_bytes,
+    platform,
     release_host_memory,
 )
 
