@@ -5,6 +5,8 @@ own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no at
 sampling). The variants:
 - `out,in`: the weights as jaxlm stores them (PyTorch's layout), through `jaxlm.layers.matmul`,
   which contracts the last dimension of both operands;
+- `out,in one dot`: the same as one `dot_general` each, without `matmul`'s split of small
+  matrix-vector products over the CPU's threads;
 - `in,out`: the transposed layout, `x @ w`;
 - `fused qkv, gate/up`: q, k and v concatenated into one `out,in` weight, gate and up into
   another, so a layer runs four matmuls instead of seven;
@@ -35,7 +37,7 @@ import numpy as np
 from jaxlm.bench import OtherLoad, text_table
 from jaxlm.layers import matmul
 
-VARIANTS = ("out,in", "in,out", "fused qkv, gate/up", "fused gate/up")
+VARIANTS = ("out,in", "out,in one dot", "in,out", "fused qkv, gate/up", "fused gate/up")
 
 
 def layer_weights(model) -> tuple[list[dict], jax.Array]:
@@ -78,9 +80,13 @@ def make_step(variant: str, steps: int, qkv_split: tuple[int, int]):
     """
 
     def mm(x, w):
-        if variant == "in,out":
+        if variant in ("in,out", "out,in one dot"):
+            contract = 0 if variant == "in,out" else 1
             return jax.lax.dot_general(
-                x.astype(w.dtype), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                x.astype(w.dtype),
+                w,
+                (((1,), (contract,)), ((), ())),
+                preferred_element_type=jnp.float32,
             )
         return matmul(x, w)
 

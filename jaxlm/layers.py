@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -70,14 +72,61 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     on 257 MiB of weights). The padded rows cost less than the copy: bf16 decode at batch 1 ran
     the matmuls of a step in 22.5 ms, float32 in 25.5 ms (`benchmarks/matmul_step.py`).
     float16 weights are converted to float32 at any row count, so padding them gains nothing.
+
+    On CPU, a one-row product with a small matrix runs as a batched dot of one part of the
+    matrix per thread (see `_gemv_parts`).
     """
     rows = math.prod(x.shape[:-1])
     if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and platform() == "cpu":
         flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, _NATIVE_BF16_ROWS - rows), (0, 0)))
         return matmul(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
+    parts = _gemv_parts(w) if rows == 1 else 1
+    if parts > 1:
+        # `w` `[out, in]` viewed as `[parts, out / parts, in]` (a bitcast): one matrix-vector
+        # product per part, in a batched dot whose batch XLA:CPU spreads over its threads.
+        n, k = w.shape
+        xs = jnp.broadcast_to(x.reshape(1, 1, k).astype(w.dtype), (parts, 1, k))
+        ws = w.reshape(parts, n // parts, k)
+        dims = (((2,), (2,)), ((0,), (0,)))
+        y = jax.lax.dot_general(xs, ws, dims, preferred_element_type=jnp.float32)
+        return y.reshape(*x.shape[:-1], n)
     return jax.lax.dot_general(
         x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
+
+
+# XLA:CPU runs a matrix-vector product on one thread unless its matrix exceeds 2 MiB (then on
+# one thread per 2 MiB, up to 8).
+_GEMV_ONE_THREAD_BYTES = 2 << 20
+
+
+@functools.cache
+def _cpu_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _gemv_parts(w: jax.Array) -> int:
+    """In how many parts a one-row product with `w` runs: one per CPU thread for a matrix that
+    XLA would leave on one thread, else 1 (also off CPU, and on several devices, where the
+    weights are sharded).
+
+    SmolLM2's q, k, v and o (1.3 and 0.4 MiB in float32) ran on one of the 2 cores at 13 GB/s.
+    Split, the float32 matmuls of a decode step took 20.9 ms instead of 26.3
+    (`benchmarks/matmul_step.py`, `out,in` vs `out,in one dot`). With more rows, XLA computes
+    a matrix product, which splitting slowed down (8 rows: 43.0 vs 40.8 ms).
+    """
+    threads = min(_cpu_threads(), 8)
+    n = w.shape[0]
+    if (
+        threads < 2
+        or w.ndim != 2
+        or w.size * w.dtype.itemsize > _GEMV_ONE_THREAD_BYTES
+        or n % threads
+        or platform() != "cpu"
+        or jax.device_count() > 1
+    ):
+        return 1
+    return threads
 
 
 class Linear(nnx.Module):

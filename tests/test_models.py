@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 
 import jax
@@ -23,6 +24,7 @@ from flax import nnx
 
 import jaxlm
 from jaxlm import LlamaForCausalLM, ModelConfig
+from jaxlm.layers import matmul
 
 LENGTHS = [9, 4, 6]
 
@@ -149,6 +151,23 @@ def test_a_decode_step_computes_the_rotary_angles_once(tmp_path):
     # One cosine and one sine of the step's positions, not one per query and key of each layer.
     assert config.num_hidden_layers > 1
     assert len(re.findall(r" cosine\(", hlo)) == len(re.findall(r" sine\(", hlo)) == 1
+
+
+@pytest.mark.parametrize("out_features", [576, 192, 1536])
+def test_a_one_row_matmul_is_spread_over_the_cpu_threads(out_features):
+    # XLA:CPU runs a matrix-vector product whose matrix is at most 2 MiB on one thread;
+    # `matmul` makes it a batched dot of one part per thread. A larger matrix (1536 x 576 in
+    # float32: 3.4 MiB) XLA spreads itself, and it stays one dot.
+    threads = min(len(os.sched_getaffinity(0)), 8)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1, 576), np.float32)
+    w = rng.standard_normal((out_features, 576), np.float32)
+    small = w.nbytes <= 2 << 20 and out_features % threads == 0
+    parts = threads if small else 1
+    hlo = jax.jit(matmul).lower(x, w).compile().as_text()
+    dots = re.findall(r"= f32\[([\d,]+)\]\S* dot\(", hlo)
+    assert dots == ([f"{parts},1,{out_features // parts}"] if parts > 1 else [f"1,{out_features}"])
+    np.testing.assert_allclose(jax.jit(matmul)(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
 
 
 FULL_SIZE = {
