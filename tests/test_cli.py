@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 from conftest import REFERENCE_DIR
 
@@ -87,15 +88,18 @@ def test_errors_are_one_line_with_exit_code_2(env, args, message):
     assert "Traceback" not in out.stderr
 
 
-def test_generate_and_chat_turn_off_ynnpack_unless_told(monkeypatch):
+def test_generate_and_chat_turn_off_ynnpack_for_float32_unless_told(monkeypatch):
     from jaxlm.cli import _without_ynnpack
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    _without_ynnpack()
+    for dtype in (jnp.bfloat16, jnp.float16):
+        _without_ynnpack(dtype)
+        assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    _without_ynnpack(jnp.float32)
     assert os.environ["XLA_FLAGS"].split() == [
         "--xla_dump_to=/tmp/x",
         "--xla_cpu_experimental_ynn_fusion_type=",
     ]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
-    _without_ynnpack()
+    _without_ynnpack(jnp.float32)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
