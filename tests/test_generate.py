@@ -66,9 +66,10 @@ def test_greedy_stops_at_stop_tokens(tiny_llama):
 def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=1024, prefill_chunk=10)
-    # Scores against the first 256, 512 or all 1024 slots, chosen at run time.
+    # Scores against the first 256, 512 or all 1024 slots, chosen at run time, and a chunk
+    # that starts the cache against its own 10 slots.
     hlo = plan.compiled["generate"].as_text()
-    for size in (256, 512, 1024):
+    for size in (10, 256, 512, 1024):
         assert re.search(rf"= f32\[\d+,\d+,{size}\]\S* (fusion|dot)\(", hlo), size
     # The long prompt fills 250 slots and decodes across the first size into the second.
     long = [int(t) for t in np.random.default_rng(0).integers(1, 96, 250)]
@@ -81,6 +82,10 @@ def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama):
 def test_given_plan_and_prefill_chunks(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     plan = jaxlm.plan(model, max_batch=4, max_seq_len=40, prefill_chunk=4)
+    # The first chunk attends over its own 4 slots, the later ones over all 40.
+    hlo = plan.compiled["generate"].as_text()
+    for size in (4, 40):
+        assert re.search(rf"= f32\[\d+,\d+,{size}\]\S* (fusion|dot)\(", hlo), size
     out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=9, stop_token_ids=[], plan=plan)
     for prompt, got in zip(PROMPTS, out.token_ids, strict=True):
         assert got == reference_greedy(model, prompt, 9)

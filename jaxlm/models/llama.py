@@ -115,15 +115,21 @@ class Attention(nnx.Module):
 
     def _attend_filled(self, q, k, v, mask, end):
         """`_attend` over the cache's first slots only: the smallest of its sizes (256 slots
-        doubling up to the whole cache) that holds the `end` slots in use. `k` and `v` are the
-        caches as stored (`jaxlm.memory.read_cache` reads them).
+        doubling up to the whole cache, and a chunk of several tokens' own length) that holds
+        the `end` slots in use. `k` and `v` are the caches as stored (`jaxlm.memory.read_cache`
+        reads them).
 
         Slots from `end` on are masked for every query, so leaving them out changes nothing
         but the work: a 128-token prompt in a plan of 4096 slots decoded 1.5x slower when
-        attention read the whole cache.
+        attention read the whole cache, and a prompt's first chunk of 128 tokens in a plan of
+        256 slots prefilled at 993 instead of 920-935 tok/s over its own slots (cold compile
+        4.2-4.5 -> 4.6 s).
         """
-        seq = k.shape[-1]
+        seq, t = k.shape[-1], q.shape[1]
         sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
+        if 1 < t < (sizes or [seq])[0]:
+            # The first chunk of a prompt fills only its own slots.
+            sizes.insert(0, t)
         if not sizes:
             return self._attend(q, read_cache(k), read_cache(v), mask)
         sizes.append(seq)
