@@ -6,7 +6,7 @@ sampling). The variants:
 - `out,in`: the weights as jaxlm stores them (PyTorch's layout), through `jaxlm.layers.matmul`,
   which contracts the last dimension of both operands;
 - `out,in one dot`: the same as one `dot_general` each, without `matmul`'s split of small
-  matrix-vector products over the CPU's threads;
+  matrix-vector products over the CPU's threads (and its padding of bf16 to 4 rows);
 - `in,out`: the transposed layout, `x @ w`;
 - `fused qkv, gate/up`: q, k and v concatenated into one `out,in` weight, gate and up into
   another, so a layer runs four matmuls instead of seven;

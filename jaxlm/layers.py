@@ -95,8 +95,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     )
 
 
-# XLA:CPU runs a matrix-vector product on one thread unless its matrix exceeds 2 MiB (then on
-# one thread per 2 MiB, up to 8).
+# XLA:CPU splits a matrix-vector product into one work group per started 2 MiB of its matrix,
+# at most 8, which its threads share: a matrix of at most 2 MiB runs on one thread.
 _GEMV_ONE_THREAD_BYTES = 2 << 20
 
 
