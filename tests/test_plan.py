@@ -97,6 +97,16 @@ def test_planned_bytes_equal_allocated_bytes(tiny):
     assert plan.kv_cache_bytes == kv
 
 
+def test_allocations_are_fresh_zeros_from_one_traced_filler(tiny):
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
+    scratch, _ = plan.prefill(plan.allocate(), np.ones((1, 4), np.int32))
+    again = plan.allocate()
+    for used, fresh in zip(jax.tree.leaves(scratch), jax.tree.leaves(again), strict=True):
+        assert not np.asarray(fresh).any()
+        assert fresh.unsafe_buffer_pointer() != used.unsafe_buffer_pointer()
+    assert plan.layout._zeros._cache_size() == 1
+
+
 def test_step_runs_in_place(tiny):
     plan = jaxlm.plan(tiny, max_batch=3, max_seq_len=32)
     prompt, lengths = left_padded(LENGTHS, tiny.config.vocab_size)
