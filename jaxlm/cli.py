@@ -111,10 +111,18 @@ def _generate(args) -> None:
     import jaxlm
 
     model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
+    wrote = False
     for piece in jaxlm.stream(model, tokenizer, args.prompt, **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
+        wrote = wrote or bool(piece)
     sys.stdout.write("\n")
+    if not wrote:
+        print(
+            "jaxlm: the model stopped before writing any text (a stop token or `--stop` string "
+            "came first); an instruct model may answer in `jaxlm chat`",
+            file=sys.stderr,
+        )
 
 
 def _chat(args) -> None:

@@ -35,6 +35,15 @@ def test_generate_streams_the_reference_continuation(env):
     assert "Loading weights" not in out.stderr  # no progress bar when not on a terminal
 
 
+def test_generate_says_why_it_wrote_nothing(env):
+    # The reference continuation starts with " Paris", so this stop string ends it at once.
+    case = REFERENCE["generations"][0]
+    out = run(env, "generate", case["prompt"], "--max-new-tokens", "8", "--stop", " Paris")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "\n"
+    assert "stopped before writing any text" in out.stderr
+
+
 def test_python_dash_m(env):
     out = subprocess.run(
         [sys.executable, "-m", "jaxlm", "generate", "def fibonacci(n):", "--max-new-tokens", "3"],
