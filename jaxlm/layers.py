@@ -102,7 +102,9 @@ _GEMV_ONE_THREAD_BYTES = 2 << 20
 
 @functools.cache
 def _cpu_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _gemv_parts(w: jax.Array) -> int:
@@ -116,12 +118,10 @@ def _gemv_parts(w: jax.Array) -> int:
     a matrix product, which splitting slowed down (8 rows: 43.0 vs 40.8 ms).
     """
     threads = min(_cpu_threads(), 8)
-    n = w.shape[0]
     if (
         threads < 2
-        or w.ndim != 2
         or w.size * w.dtype.itemsize > _GEMV_ONE_THREAD_BYTES
-        or n % threads
+        or w.shape[0] % threads
         or platform() != "cpu"
         or jax.device_count() > 1
     ):
