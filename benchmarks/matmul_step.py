@@ -1,20 +1,22 @@
-"""The matmuls of a decode step alone, by weight layout and fusion: where batch-1 decode goes.
+"""The matmuls of a decode step alone, by operand order, weight layout and fusion.
 
 Every projection of every layer and the LM head run on `rows` activation rows with the model's
 own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no attention, no
 sampling). The variants:
-- `out,in`: the weights as jaxlm stores them (PyTorch's layout), through `jaxlm.layers.matmul`,
-  which contracts the last dimension of both operands;
-- `out,in one dot`: the same as one `dot_general` each, without `matmul`'s split of small
-  matrix-vector products over the CPU's threads (and its padding of bf16 to 4 rows);
-- `in,out`: the transposed layout, `x @ w`;
+- `w @ x`: as jaxlm runs them, `jaxlm.layers.matmul`: the weight `[out, in]` (PyTorch's
+  layout) as the left operand, the activations feature-major `[in, rows]`;
+- `w @ x one dot`: the same as one `dot_general` each, without `matmul`'s split of small
+  matrix-vector products over the CPU's threads (and its padding of bf16 to 2 columns);
+- `x @ w.T`: row-major activations `[rows, in]` as the left operand, the weight as stored as
+  the right one (jaxlm before it went feature-major);
+- `x @ w, [in,out]`: row-major activations and transposed weights `[in, out]`;
 - `fused qkv, gate/up`: q, k and v concatenated into one `out,in` weight, gate and up into
-  another, so a layer runs four matmuls instead of seven;
+  another, so a layer runs four matmuls instead of seven (as `w @ x`);
 - `fused gate/up`: only gate and up concatenated.
 
 The variants run interleaved, round by round, and the table gives each one's median and best
 milliseconds per step and the weight bytes one step reads over the median time. Every variant
-computes what `in,out` computes (`max diff`, after one step). The weight copies of the other
+computes what `w @ x` computes (`max diff`, after one step). The weight copies of the other
 layouts need about three times the model's weights in memory.
 
 Usage: python benchmarks/matmul_step.py [--model PATH] [--dtype float32] [--rows 1,8] [--steps 16]
@@ -37,7 +39,16 @@ import numpy as np
 from jaxlm.bench import OtherLoad, text_table
 from jaxlm.layers import matmul
 
-VARIANTS = ("out,in", "out,in one dot", "in,out", "fused qkv, gate/up", "fused gate/up")
+VARIANTS = (
+    "w @ x",
+    "w @ x one dot",
+    "x @ w.T",
+    "x @ w, [in,out]",
+    "fused qkv, gate/up",
+    "fused gate/up",
+)
+# The variants whose activations are row-major `[rows, features]`.
+ROW_MAJOR = ("x @ w.T", "x @ w, [in,out]")
 
 
 def layer_weights(model) -> tuple[list[dict], jax.Array]:
@@ -60,7 +71,7 @@ def layer_weights(model) -> tuple[list[dict], jax.Array]:
 
 
 def _variant_weights(variant: str, layers: list[dict], head: jax.Array):
-    if variant == "in,out":
+    if variant == "x @ w, [in,out]":
         return [{k: jnp.asarray(w.T) for k, w in ws.items()} for ws in layers], jnp.asarray(head.T)
     fused = []
     for ws in layers:
@@ -79,39 +90,44 @@ def make_step(variant: str, steps: int, qkv_split: tuple[int, int]):
     `qkv_split` is where the keys and the values start in a fused q/k/v output.
     """
 
+    f32 = jnp.float32
+    # The features' dimension of the activations.
+    f = -1 if variant in ROW_MAJOR else 0
+
     def mm(x, w):
-        if variant in ("in,out", "out,in one dot"):
-            contract = 0 if variant == "in,out" else 1
-            return jax.lax.dot_general(
-                x.astype(w.dtype),
-                w,
-                (((1,), (contract,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
-        return matmul(x, w)
+        if variant in ROW_MAJOR:
+            contract = 0 if variant == "x @ w, [in,out]" else 1
+            dims = (((1,), (contract,)), ((), ()))
+            return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=f32)
+        if variant == "w @ x one dot":
+            dims = (((1,), (0,)), ((), ()))
+            return jax.lax.dot_general(w, x.astype(w.dtype), dims, preferred_element_type=f32)
+        return matmul(w, x)
 
     def layer(x, ws):
         if "qkv" in ws:
-            q, k, v = jnp.split(mm(x, ws["qkv"]), qkv_split, axis=-1)
+            q, k, v = jnp.split(mm(x, ws["qkv"]), qkv_split, axis=f)
         else:
             q, k, v = mm(x, ws["q"]), mm(x, ws["k"]), mm(x, ws["v"])
         # Keys and values feed the output so that XLA keeps their matmuls.
-        a = q + 1e-9 * (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True))
+        a = q + 1e-9 * (k.sum(f, keepdims=True) + v.sum(f, keepdims=True))
         x = x + mm(a, ws["o"])
         if "gate_up" in ws:
-            gate, up = jnp.split(mm(x, ws["gate_up"]), 2, axis=-1)
+            gate, up = jnp.split(mm(x, ws["gate_up"]), 2, axis=f)
         else:
             gate, up = mm(x, ws["gate"]), mm(x, ws["up"])
         x = x + mm(jax.nn.silu(gate) * up, ws["down"])
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=f, keepdims=True) + 1e-5)
 
     def run(layers, head, x):
         def step(_, x):
             for ws in layers:
                 x = layer(x, ws)
-            return x + 1e-9 * mm(x, head).sum(-1, keepdims=True)
+            return x + 1e-9 * mm(x, head).sum(f, keepdims=True)
 
-        return jax.lax.fori_loop(0, steps, step, x)
+        # `x` comes in and leaves row-major.
+        x = jax.lax.fori_loop(0, steps, step, x if f else x.T)
+        return x if f else x.T
 
     return jax.jit(run)
 
@@ -190,7 +206,7 @@ def format_table(report: dict) -> str:
         f"{report['steps']} steps per call, medians of {report['rounds']} rounds; "
         f"load {report['other_load_cores']:.2f} (cores busy with other processes)",
         *text_table(header, rows),
-        "max diff: largest difference from `out,in`'s output after one step",
+        "max diff: largest difference from `w @ x`'s output after one step",
     ]
     return "\n".join(lines)
 

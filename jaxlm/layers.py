@@ -1,23 +1,28 @@
 """Building blocks shared by the decoders: linear layers, RMSNorm, rotary embeddings, SwiGLU MLP.
 
-Parameters are named and laid out as in Hugging Face checkpoints: 2-D weights are `[out, in]`,
-and a matmul contracts the last dimension of both operands (PyTorch's `F.linear`). Measured on
-this project's Xeon with AMX (`benchmarks/matmul_step.py`, every projection and the LM head of
-SmolLM2, ms per decode step), against `[in, out]` weights contracted on their first dimension:
+Parameters are named and laid out as in Hugging Face checkpoints: 2-D weights are `[out, in]`.
+Activations flow feature-major, `[features, ...]` (`[hidden, batch, seq]` between layers), so
+that a matmul is `w @ x`, the weight its left operand (see `matmul`). Measured on this
+project's Xeon with AMX (`benchmarks/matmul_step.py`, every projection and the LM head of
+SmolLM2, ms per decode step), against row-major activations, `x @ w.T` (PyTorch's `F.linear`,
+jaxlm's layout before) and `x @ w` with `[in, out]` weights:
 
-| rows | float32 `[out, in]` | float32 `[in, out]` | bfloat16 `[out, in]` | bfloat16 `[in, out]` |
-|---|---|---|---|---|
-| 1 | 25.5 | 25.4 | (4 rows: see `matmul`) | |
-| 4 | | | 22.5 | 30.0 |
-| 8 | 38.0 | 43.9 | 23.0 | 30.4 |
-| 128 | 104.0 | 108.4 | 58.2 | 62.6 |
+| rows | f32 `w @ x` | f32 `x @ w.T` | f32 `x @ w` | bf16 `w @ x` | bf16 `x @ w.T` | bf16 `x @ w` |
+|---|---|---|---|---|---|---|
+| 1 | 21.3 | 27.1 | 26.4 | 15.1 | 38.5 | 38.1 |
+| 2 | 35.5 | 35.3 | 33.0 | 15.8 | 23.2 | 32.6 |
+| 4 | | | | 15.4 | 21.2 | 30.7 |
+| 8 | 39.6 | 42.9 | 51.9 | 17.8 | 22.4 | 31.9 |
 
-Other CPUs differ: on an AMD EPYC, `[in, out]` ran 1.47x faster at 8 rows and 15-28% slower at
-1 row; on an Ice Lake Xeon, the two were within 7% of each other at 1 and 8 rows.
+One row of `w @ x` is `matmul`'s split over the threads (f32) or its padding to 2 (bf16); the
+others are one dot each (bf16 at one row then converts the weights to f32). At 128 rows, a
+prompt's chunk, the float32 gate and up projections ran slower feature-major (59.6 vs 51.0 ms
+of a 128-token prefill) and the other projections faster (50.3 vs 56.0): f32 prefill lost
+2-6%, bf16 prefill and 8-row decode gained.
 
-Activations flow in float32; a matmul casts its input to the weight dtype and accumulates in
-float32 (`preferred_element_type`), which runs natively in bfloat16 on CPUs with bf16
-instructions, from 4 rows on (see `matmul`).
+Activations are float32; a matmul casts its input to the weight dtype and accumulates in float32
+(`preferred_element_type`), which runs natively in bfloat16 on CPUs with bf16 instructions, from
+2 columns of `x` on (see `matmul`).
 """
 
 from __future__ import annotations
@@ -59,39 +64,45 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-# XLA:CPU runs a bfloat16 matmul natively (YNNPACK) from this many rows on.
-_NATIVE_BF16_ROWS = 4
+# XLA:CPU runs a bfloat16 matmul natively (YNNPACK) from this many columns of `x` on.
+_NATIVE_BF16_COLUMNS = 2
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` for `w` `[out, in]`, accumulated in float32.
+def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`w @ x` for `w` `[out, in]` and feature-major `x` `[in, ...]`: `[out, ...]`, accumulated
+    in float32.
 
-    On CPU, bfloat16 weights meet at least 4 rows: with fewer, XLA computes in float32 and
+    The weight is the left operand, which YNNPACK (XLA:CPU's matmuls) streams as stored; a right
+    operand it repacks at every call. SmolLM2, the matmuls of a decode step against `x @ w.T`
+    (`benchmarks/matmul_step.py`): bfloat16 at 4 rows 21.2 -> 15.4 ms, float32 at 8 rows
+    42.9 -> 39.6 ms.
+
+    On CPU, bfloat16 weights meet at least 2 columns: with one, XLA computes in float32 and
     converts the whole weight, a conversion that it hoists out of the decode loop, so a bf16
     model held a float32 copy of its weights while it decoded (SmolLM2: 513 MiB of temporaries
-    on 257 MiB of weights). The padded rows cost less than the copy: bf16 decode at batch 1 ran
-    the matmuls of a step in 22.5 ms, float32 in 25.5 ms (`benchmarks/matmul_step.py`).
-    float16 weights are converted to float32 at any row count, so padding them gains nothing.
+    on 257 MiB of weights). The padded column costs less than the copy: 15.1 ms per step of
+    bf16 matmuls at batch 1 against 21.3 in float32. float16 weights are converted to float32
+    at any size, so padding them gains nothing.
 
-    On CPU, a one-row product with a small matrix runs as a batched dot of one part of the
+    On CPU, a one-column product with a small matrix runs as a batched dot of one part of the
     matrix per thread (see `_gemv_parts`).
     """
-    rows = math.prod(x.shape[:-1])
-    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_ROWS and platform() == "cpu":
-        flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, _NATIVE_BF16_ROWS - rows), (0, 0)))
-        return matmul(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
+    rows = math.prod(x.shape[1:])
+    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_COLUMNS and platform() == "cpu":
+        flat = jnp.pad(x.reshape(x.shape[0], rows), ((0, 0), (0, _NATIVE_BF16_COLUMNS - rows)))
+        return matmul(w, flat)[:, :rows].reshape(w.shape[0], *x.shape[1:])
     parts = _gemv_parts(w) if rows == 1 else 1
     if parts > 1:
         # `w` `[out, in]` viewed as `[parts, out / parts, in]` (a bitcast): one matrix-vector
         # product per part, in a batched dot whose batch XLA:CPU spreads over its threads.
         n, k = w.shape
-        xs = jnp.broadcast_to(x.reshape(1, 1, k).astype(w.dtype), (parts, 1, k))
+        xs = jnp.broadcast_to(x.reshape(1, k, 1).astype(w.dtype), (parts, k, 1))
         ws = w.reshape(parts, n // parts, k)
-        dims = (((2,), (2,)), ((0,), (0,)))
-        y = jax.lax.dot_general(xs, ws, dims, preferred_element_type=jnp.float32)
-        return y.reshape(*x.shape[:-1], n)
+        dims = (((2,), (1,)), ((0,), (0,)))
+        y = jax.lax.dot_general(ws, xs, dims, preferred_element_type=jnp.float32)
+        return y.reshape(n, *x.shape[1:])
     return jax.lax.dot_general(
-        x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        w, x.astype(w.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
 
 
@@ -113,9 +124,9 @@ def _gemv_parts(w: jax.Array) -> int:
     weights are sharded).
 
     SmolLM2's q, k, v and o (1.3 and 0.4 MiB in float32) ran on one of the 2 cores at 13 GB/s.
-    Split, the float32 matmuls of a decode step took 20.9 ms instead of 26.3
-    (`benchmarks/matmul_step.py`, `out,in` vs `out,in one dot`). With more rows, XLA computes
-    a matrix product, which splitting slowed down (8 rows: 43.0 vs 40.8 ms).
+    Split, the float32 matmuls of a decode step took 21.3 ms instead of 27.2
+    (`benchmarks/matmul_step.py`, `w @ x` vs `w @ x one dot`). With more rows, XLA computes a
+    matrix product, which splitting slowed down (8 rows, row-major: 43.0 vs 40.8 ms).
     """
     threads = min(_cpu_threads(), 8)
     if (
@@ -150,9 +161,10 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), axes=axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...])
+        """`x` `[in, ...]` (feature-major) -> `[out, ...]`."""
+        y = matmul(self.weight[...], x)
         if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
+            y = y + _along(self.bias[...].astype(jnp.float32), 0, y.ndim)
         return y
 
 
@@ -174,6 +186,10 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(weight, axes=("vocab", None))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        """The rows of `ids` `[...]`, feature-major: `[features, ...]` (float32)."""
+        return jnp.moveaxis(self._rows(ids), -1, 0)
+
+    def _rows(self, ids: jax.Array) -> jax.Array:
         weight = self.weight[...]
         if weight.dtype == jnp.uint16 or (self.dtype.itemsize == 2 and platform() == "cpu"):
             # A tied 16-bit table gathers from its bits too: XLA then copies the bits, half
@@ -184,8 +200,9 @@ class Embedding(nnx.Module):
         return jnp.take(weight, ids, axis=0).astype(jnp.float32)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the embedding matrix (the tied LM head)."""
-        return matmul(x, self.weight[...])
+        """Logits `[vocab, ...]` of `x` `[features, ...]` against the embedding matrix (the tied
+        LM head)."""
+        return matmul(self.weight[...], x)
 
 
 class RMSNorm(nnx.Module):
@@ -193,10 +210,18 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((features,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, axis: int = 0) -> jax.Array:
+        """`x` normalised over its features, dimension `axis`."""
         x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return x * self.weight[...].astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=axis, keepdims=True) + self.eps)
+        return x * _along(self.weight[...].astype(jnp.float32), axis, x.ndim)
+
+
+def _along(v: jax.Array, axis: int, ndim: int) -> jax.Array:
+    """The vector `v` shaped to broadcast along dimension `axis` of an `ndim`-dimensional array."""
+    shape = [1] * ndim
+    shape[axis] = v.shape[0]
+    return v.reshape(shape)
 
 
 class MLP(nnx.Module):
@@ -239,7 +264,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`cos` and `sin` of the rotary angles for `positions` `[B, T]`, each `[B, T, head_dim]`."""
+    """`cos` and `sin` of the rotary angles for `positions` `[B, T]`, each `[head_dim, B, T]`."""
     inv_freq = jnp.asarray(rope_inv_freq(config))
     scaling = config.rope_scaling
     if scaling.rope_type == "dynamic":
@@ -251,13 +276,13 @@ def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, 
             d / (d - 2)
         )
         inv_freq = 1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, head_dim // 2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
+    angles = inv_freq[:, None, None] * positions.astype(jnp.float32)  # [head_dim // 2, B, T]
+    angles = jnp.concatenate([angles, angles], axis=0)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate `x` `[B, T, heads, head_dim]` (the rotate-half convention of Hugging Face)."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    """Rotate `x` `[heads, head_dim, B, T]` (the rotate-half convention of Hugging Face)."""
+    half = x.shape[1] // 2
+    rotated = jnp.concatenate([-x[:, half:], x[:, :half]], axis=1)
+    return x * cos + rotated * sin

@@ -153,6 +153,20 @@ def test_a_decode_step_computes_the_rotary_angles_once(tmp_path):
     assert len(re.findall(r" cosine\(", hlo)) == len(re.findall(r" sine\(", hlo)) == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_multiplies_with_the_weights_on_the_left(tmp_path, dtype):
+    # YNNPACK streams a matmul's left operand as stored and repacks its right one at every
+    # call, so the weights are the left operands: each projection's product is `[out, rows]`.
+    config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
+    model = LlamaForCausalLM.abstract(config, dtype=dtype)
+    plan = jaxlm.plan(model, max_batch=3, max_seq_len=16, steps=("decode",))
+    dots = re.findall(r"= f32\[(\d+),(\d+)\]\S* dot\(", plan.compiled["decode"].as_text())
+    c = config
+    widths = {c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size}
+    widths.add(c.vocab_size)
+    assert {(int(n), int(m)) for n, m in dots} == {(n, 3) for n in widths}
+
+
 @pytest.mark.parametrize("out_features", [576, 192, 1536])
 def test_a_one_row_matmul_is_spread_over_the_cpu_threads(out_features):
     # XLA:CPU runs a matrix-vector product whose matrix is at most 2 MiB on one thread;
@@ -160,14 +174,15 @@ def test_a_one_row_matmul_is_spread_over_the_cpu_threads(out_features):
     # float32: 3.4 MiB) XLA spreads itself, and it stays one dot.
     threads = min(len(os.sched_getaffinity(0)), 8)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 1, 576), np.float32)
+    x = rng.standard_normal((576, 1, 1), np.float32)
     w = rng.standard_normal((out_features, 576), np.float32)
     small = w.nbytes <= 2 << 20 and out_features % threads == 0
     parts = threads if small else 1
-    hlo = jax.jit(matmul).lower(x, w).compile().as_text()
+    hlo = jax.jit(matmul).lower(w, x).compile().as_text()
     dots = re.findall(r"= f32\[([\d,]+)\]\S* dot\(", hlo)
-    assert dots == ([f"{parts},1,{out_features // parts}"] if parts > 1 else [f"1,{out_features}"])
-    np.testing.assert_allclose(jax.jit(matmul)(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+    assert dots == ([f"{parts},{out_features // parts},1"] if parts > 1 else [f"{out_features},1"])
+    expected = np.einsum("ok,kbt->obt", w, x)
+    np.testing.assert_allclose(jax.jit(matmul)(w, x), expected, rtol=1e-5, atol=1e-4)
 
 
 FULL_SIZE = {

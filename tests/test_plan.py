@@ -124,7 +124,8 @@ def test_step_runs_in_place(tiny):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_xla_aliases_all_scratch_and_copies_no_cache(tiny, batch):
-    plan = jaxlm.plan(tiny, max_batch=batch, max_seq_len=64)
+    seq = 40  # No dimension of the model's.
+    plan = jaxlm.plan(tiny, max_batch=batch, max_seq_len=seq)
     for name, stats in plan.executables.items():
         assert stats.alias == plan.scratch_bytes, name
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.engine.params)
@@ -135,11 +136,12 @@ def test_xla_aliases_all_scratch_and_copies_no_cache(tiny, batch):
     c = tiny.config
     # A copy of a whole cache, in either layout, or with the batch as a separate dimension.
     n, d = batch * c.num_key_value_heads, c.head_dim
-    cache_shapes = (f"[{n},64,{d}]", f"[{n},{d},64]", f"[{batch},{c.num_key_value_heads},")
+    cache_dims = ({n, d, seq}, {batch, c.num_key_value_heads, d, seq})
     for hlo in (step.as_text(), plan.compiled["decode"].as_text()):
         assert "input_output_alias" in hlo
-        copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line)]
-        assert not [line for line in copies if any(s in line for s in cache_shapes)], copies
+        copies = re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", hlo)
+        shapes = [{int(v) for v in dims.split(",")} for dims in copies]
+        assert not [s for s in shapes if any(c <= s for c in cache_dims)], copies
 
 
 def test_bfloat16_cache_is_stored_as_uint16_bits(tmp_path):
@@ -282,7 +284,7 @@ def test_release_host_memory_returns_free_heap_pages():
 
 
 def test_bfloat16_decode_holds_no_float32_copy_of_the_weights(tmp_path):
-    # With fewer than 4 rows, XLA:CPU computes a bf16 matmul in float32 and hoists the
+    # With one column of activations, XLA:CPU computes a bf16 matmul in float32 and hoists the
     # conversion of every weight out of the decode loop: a float32 copy of the weights among
     # the temporaries. A float32 model's plan shows the temporaries without it.
     make_hf_model(tmp_path, "llama_gqa4")

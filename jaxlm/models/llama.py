@@ -73,31 +73,30 @@ class Attention(nnx.Module):
         )
 
     def _project(self, x, cos, sin):
-        b, t, _ = x.shape
+        # x [hidden, B, T] -> q [heads, D, B, T], keys [B * kv_heads, D, T] and values
+        # [B * kv_heads, T, D] (the cache layouts).
+        _, b, t = x.shape
         c = self.config
-        q = self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q = self.q_proj(x).reshape(c.num_attention_heads, c.head_dim, b, t)
+        k = self.k_proj(x).reshape(c.num_key_value_heads, c.head_dim, b, t)
+        v = self.v_proj(x).reshape(c.num_key_value_heads, c.head_dim, b, t)
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, axis=1), self.k_norm(k, axis=1)
         # Keys and values are rounded to the cache dtype on both paths, so a cached forward
         # equals a full one in bfloat16 too.
         dtype = self.k_cache.dtype
         k, v = apply_rope(k, cos, sin).astype(dtype), v.astype(dtype)
-        return apply_rope(q, cos, sin), self._fold(k).transpose(0, 2, 1), self._fold(v)
-
-    def _fold(self, x):
-        # [B, T, kv_heads, D] -> [B * kv_heads, T, D], the cache layout.
-        b, t, n, d = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(b * n, t, d)
+        k = k.transpose(2, 0, 1, 3).reshape(b * c.num_key_value_heads, c.head_dim, t)
+        v = v.transpose(2, 0, 3, 1).reshape(b * c.num_key_value_heads, t, c.head_dim)
+        return apply_rope(q, cos, sin), k, v
 
     def _attend(self, q, k, v, mask):
-        # q [B, T, heads, D]; k [B * kv_heads, D, S]; v [B * kv_heads, S, D]; mask [B, T, S].
-        # Returns the heads' outputs [B, T, heads * D], before `o_proj`.
-        b, t, _, d = q.shape
+        # q [heads, D, B, T]; k [B * kv_heads, D, S]; v [B * kv_heads, S, D]; mask [B, T, S].
+        # Returns the heads' outputs [heads * D, B, T], before `o_proj`.
+        _, d, b, t = q.shape
         c = self.config
         nkv, g = c.num_key_value_heads, c.num_kv_groups
-        q = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * nkv, g * t, d)
+        q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b * nkv, g * t, d)
         # A chunk of several tokens multiplies in the cache's dtype, accumulating in float32:
         # bf16 runs natively on CPUs with bf16 instructions (SmolLM2's prefill of 8 x 128
         # tokens: 2030 -> 2300 tok/s). A decode step converts the cache to float32 instead;
@@ -111,7 +110,7 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("nqs,nsd->nqd", probs, v.astype(dtype), preferred_element_type=f32)
         out = out.reshape(b, nkv, g, t, d)
-        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, c.num_attention_heads * d)
+        return out.transpose(1, 2, 4, 0, 3).reshape(c.num_attention_heads * d, b, t)
 
     def _attend_filled(self, q, k, v, mask, end):
         """`_attend` over the cache's first slots only: the smallest of its sizes (256 slots
@@ -125,7 +124,7 @@ class Attention(nnx.Module):
         256 slots prefilled at 993 instead of 920-935 tok/s over its own slots (cold compile
         4.2-4.5 -> 4.6 s).
         """
-        seq, t = k.shape[-1], q.shape[1]
+        seq, t = k.shape[-1], q.shape[-1]
         sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
         if 1 < t < (sizes or [seq])[0]:
             # The first chunk of a prompt fills only its own slots.
@@ -152,7 +151,7 @@ class Attention(nnx.Module):
         q, k, v = self._project(x, cos, sin)
         k_cache = write_cache(scratch["k_cache"], k, index, axis=2)
         v_cache = write_cache(scratch["v_cache"], v, index, axis=1)
-        end = index + x.shape[1]
+        end = index + x.shape[-1]
         out = self._attend_filled(q, k_cache, v_cache, mask, end)
         return self.o_proj(out), {"k_cache": k_cache, "v_cache": v_cache}
 
@@ -212,6 +211,8 @@ class LlamaModel(nnx.Module):
         return mask
 
     def __call__(self, input_ids, positions, attention_mask):
+        """The final hidden states `[hidden, batch, seq]`: activations flow feature-major (see
+        `jaxlm.layers.matmul`)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, positions)
         mask = self._mask(positions, positions, attention_mask)
@@ -226,7 +227,7 @@ class LlamaModel(nnx.Module):
         # `index` is never negative, but XLA cannot know it, and the other branch is the
         # identity rotation.
         def identity(positions):
-            shape = (*positions.shape, self.config.head_dim)
+            shape = (self.config.head_dim, *positions.shape)
             return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
         return jax.lax.cond(
@@ -292,9 +293,15 @@ class LlamaForCausalLM(nnx.Module):
             return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
     def _logits(self, x):
+        # x [hidden, ...] -> [..., vocab].
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.attend(x)
-        return self.lm_head(x)
+            logits = self.model.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        # The barrier keeps XLA from making the transposed product a product of the transposed
+        # operands, with a 16-bit weight on the right and the activations transposed on the
+        # left, which XLA:CPU's YNNPACK declines and its own dot cannot run.
+        return jnp.moveaxis(jax.lax.optimization_barrier(logits), 0, -1)
 
     def __call__(self, input_ids, positions=None, attention_mask=None) -> jax.Array:
         """Logits `[batch, seq, vocab]` (float32) of a causal forward over `input_ids`.
@@ -320,5 +327,4 @@ class LlamaForCausalLM(nnx.Module):
         the logits of the last position are computed (`[batch, vocab]`).
         """
         x, new = self.model.forward_cached(input_ids, scratch["model"])
-        logits = self._logits(x[:, -1] if last_only else x)
-        return logits, {**scratch, "model": new}
+        return self._logits(x[..., -1] if last_only else x), {**scratch, "model": new}
