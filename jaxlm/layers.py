@@ -17,8 +17,11 @@ jaxlm's layout before) and `x @ w` with `[in, out]` weights:
 One row of `w @ x` is `matmul`'s split over the threads (f32) or its padding to 2 (bf16); the
 others are one dot each (bf16 at one row then converts the weights to f32). At 128 rows, a
 prompt's chunk, the float32 gate and up projections ran slower feature-major (59.6 vs 51.0 ms
-of a 128-token prefill) and the other projections faster (50.3 vs 56.0): f32 prefill lost
-2-6%, bf16 prefill and 8-row decode gained.
+of a 128-token prefill) and the other projections faster (50.3 vs 56.0): the float32 prefill
+of 128 tokens lost 2-6% (7-14% in `benchmarks/bench.py`); bf16 prefill held and decode gained.
+
+Other CPUs differ: with row-major activations, an AMD EPYC ran `[in, out]` weights 1.47x faster
+than `[out, in]` at 8 rows; the operand order was measured on this Xeon only.
 
 Activations are float32; a matmul casts its input to the weight dtype and accumulates in float32
 (`preferred_element_type`), which runs natively in bfloat16 on CPUs with bf16 instructions, from
