@@ -90,11 +90,11 @@ def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
     On CPU, a one-column product with a small matrix runs as a batched dot of one part of the
     matrix per thread (see `_gemv_parts`).
     """
-    rows = math.prod(x.shape[1:])
-    if w.dtype == jnp.bfloat16 and rows < _NATIVE_BF16_COLUMNS and platform() == "cpu":
-        flat = jnp.pad(x.reshape(x.shape[0], rows), ((0, 0), (0, _NATIVE_BF16_COLUMNS - rows)))
-        return matmul(w, flat)[:, :rows].reshape(w.shape[0], *x.shape[1:])
-    parts = _gemv_parts(w) if rows == 1 else 1
+    cols = math.prod(x.shape[1:])
+    if w.dtype == jnp.bfloat16 and cols < _NATIVE_BF16_COLUMNS and platform() == "cpu":
+        flat = jnp.pad(x.reshape(x.shape[0], cols), ((0, 0), (0, _NATIVE_BF16_COLUMNS - cols)))
+        return matmul(w, flat)[:, :cols].reshape(w.shape[0], *x.shape[1:])
+    parts = _gemv_parts(w) if cols == 1 else 1
     if parts > 1:
         # `w` `[out, in]` viewed as `[parts, out / parts, in]` (a bitcast): one matrix-vector
         # product per part, in a batched dot whose batch XLA:CPU spreads over its threads.
@@ -122,14 +122,14 @@ def _cpu_threads() -> int:
 
 
 def _gemv_parts(w: jax.Array) -> int:
-    """In how many parts a one-row product with `w` runs: one per CPU thread for a matrix that
+    """In how many parts a one-column product with `w` runs: one per CPU thread for a matrix that
     XLA would leave on one thread, else 1 (also off CPU, and on several devices, where the
     weights are sharded).
 
     SmolLM2's q, k, v and o (1.3 and 0.4 MiB in float32) ran on one of the 2 cores at 13 GB/s.
     Split, the float32 matmuls of a decode step took 21.3 ms instead of 27.2
-    (`benchmarks/matmul_step.py`, `w @ x` vs `w @ x one dot`). With more rows, XLA computes a
-    matrix product, which splitting slowed down (8 rows, row-major: 43.0 vs 40.8 ms).
+    (`benchmarks/matmul_step.py`, `w @ x` vs `w @ x one dot`). With more columns, XLA computes
+    a matrix product, which splitting slowed down (8 rows, row-major: 43.0 vs 40.8 ms).
     """
     threads = min(_cpu_threads(), 8)
     if (
@@ -144,7 +144,8 @@ def _gemv_parts(w: jax.Array) -> int:
 
 
 class Linear(nnx.Module):
-    """`y = x @ weight.T + bias`, with `weight` stored as `[out, in]`.
+    """`y = weight @ x + bias` on feature-major `x` `[in, ...]`, with `weight` stored as
+    `[out, in]`.
 
     `axes` names the logical sharding axes of `in` and `out` (see `jaxlm.sharding`).
     """

@@ -162,8 +162,7 @@ def test_decode_multiplies_with_the_weights_on_the_left(tmp_path, dtype):
     plan = jaxlm.plan(model, max_batch=3, max_seq_len=16, steps=("decode",))
     dots = re.findall(r"= f32\[(\d+),(\d+)\]\S* dot\(", plan.compiled["decode"].as_text())
     c = config
-    widths = {c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size}
-    widths.add(c.vocab_size)
+    widths = {c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size, c.vocab_size}
     assert {(int(n), int(m)) for n, m in dots} == {(n, 3) for n in widths}
 
 

@@ -141,7 +141,7 @@ def test_xla_aliases_all_scratch_and_copies_no_cache(tiny, batch):
         assert "input_output_alias" in hlo
         copies = re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", hlo)
         shapes = [{int(v) for v in dims.split(",")} for dims in copies]
-        assert not [s for s in shapes if any(c <= s for c in cache_dims)], copies
+        assert not [s for s in shapes if any(cache <= s for cache in cache_dims)], copies
 
 
 def test_bfloat16_cache_is_stored_as_uint16_bits(tmp_path):
