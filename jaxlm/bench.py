@@ -7,8 +7,8 @@ repeats:
 - compile time: cold (an empty persistent compilation cache) and from JAX's persistent cache
   (after `jax.clear_caches()`, as a second start would);
 - memory: the process's peak RSS while the cell generates (its high-water mark reset after
-  compiling) and its current RSS, against the plan's bill plus the RSS the process had before
-  it loaded the model.
+  compiling) and its current RSS, against the plan's resident bill (the whole bill and the
+  compiled steps' host memory) plus the RSS the process had before it loaded the model.
 
 Prompts are random token ids of exactly the prompt length (fixed seed), decoding is greedy and no
 token stops a row, so every row generates all its tokens. A probe measures the machine's memory
@@ -88,25 +88,20 @@ def main(argv: list[str] | None = None) -> int:
 # Measuring the process and the machine.
 
 
-def _status(field: str) -> int | None:
-    """A size from `/proc/self/status` in bytes, or None where there is none."""
-    with contextlib.suppress(OSError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
 def current_rss() -> int:
     """The resident set size of this process now, in bytes (`VmRSS`)."""
-    return _status("VmRSS") or 0
+    from jaxlm.memory import resident_bytes
+
+    return resident_bytes() or 0
 
 
 def peak_rss() -> int:
     """The largest resident set size of this process since the last `reset_peak_rss`, in bytes
     (`VmHWM`; `ru_maxrss`, the peak since the start, where there is no `/proc`).
     """
-    peak = _status("VmHWM")
+    from jaxlm.memory import process_status
+
+    peak = process_status("VmHWM")
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -634,7 +629,8 @@ def _run_cell(cell, repeats: int, model, runner: JaxlmRunner, others: dict, base
         rss_bytes=current_rss(),
         plan_total_bytes=plan.total_bytes,
         plan_kv_cache_bytes=plan.kv_cache_bytes,
-        predicted_peak_bytes=baseline + plan.total_bytes,
+        plan_executables_host_bytes=plan.executables_host_bytes,
+        predicted_peak_bytes=baseline + (plan.resident_bytes or plan.total_bytes),
     )
     ratios = {}
     for name in engines:
@@ -773,7 +769,8 @@ def format_report(report: dict) -> str:
             if all(r["jaxlm"]["peak_rss_since"] == "generation" for r in report["cells"])
             else " (here: since the start, this system cannot reset it)"
         )
-        + "; predicted: RSS before loading + the plan's whole bill"
+        + "; predicted: RSS before loading + the plan's whole bill + its compiled steps' "
+        "host memory"
     )
     if report["settings"]["vs"]:
         lines.append("peak RSS includes the other engines' copies of the weights")

@@ -18,6 +18,7 @@ also shard independently (per-slot `axes`) and show up one by one in the plan.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -264,6 +265,22 @@ _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 def _malloc_trim():
     # glibc's `malloc_trim`, or None under another C library.
     return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def process_status(field: str) -> int | None:
+    """A size from `/proc/self/status` (`VmRSS`, `VmHWM`, ...) in bytes, or None where there is
+    no such file (outside Linux) or field.
+    """
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def resident_bytes() -> int | None:
+    """The resident set size of this process now (`VmRSS`), in bytes; None outside Linux."""
+    return process_status("VmRSS")
 
 
 def release_host_memory() -> bool:

@@ -19,7 +19,17 @@ from jaxlm.memory import (
     format_bytes,
     platform,
     release_host_memory,
+    resident_bytes,
 )
+
+
+def _settled_resident_bytes() -> int | None:
+    """This process's resident bytes once unreachable objects are collected and the C heap's
+    free pages handed back, so that only live memory counts; None outside Linux.
+    """
+    gc.collect()
+    release_host_memory()
+    return resident_bytes()
 
 
 class Plan:
@@ -30,6 +40,14 @@ class Plan:
     (XLA's memory analysis of each), `temp_bytes` (the largest XLA temporaries) and
     `total_bytes` (the whole bill: the peak of the most demanding step, weights and scratch
     included). On a mesh (`mesh` is not None), every byte count is per device.
+
+    `executables_host_bytes` is the host memory the compiled steps hold: XLA reports no size
+    for it on the CPU (`generated_code_size_in_bytes` is 0), yet SmolLM2's `generate` holds
+    about 60 MiB of instructions, buffer assignments and kernels, so the plan measures it as
+    the growth of the process's resident memory across compiling, which also counts the traces
+    JAX keeps of the steps and, in a process's first plan, the compiler's one-time state (None
+    outside Linux; other threads allocating meanwhile count too). On the CPU,
+    `resident_bytes` adds it to the bill.
     """
 
     def __init__(
@@ -40,6 +58,7 @@ class Plan:
         weights: int,
         compiled: dict,
         budget: int | None,
+        executables_host_bytes: int | None = None,
     ):
         self.engine = engine
         self.layout = layout
@@ -50,6 +69,7 @@ class Plan:
         self.compiled = compiled
         self.executables = {name: ExecutableMemory.of(name, c) for name, c in compiled.items()}
         self.budget = budget
+        self.executables_host_bytes = executables_host_bytes
         self.mesh = engine.partitioner.mesh if engine.partitioner else None
         self._pool: list[dict] = []
         self._pool_lock = threading.Lock()
@@ -59,12 +79,13 @@ class Plan:
     def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps) -> Plan:
         dims = {"batch": max_batch, "seq": max_seq_len}
         layout = Layout.build(engine.declarations(model), dims, platform(), engine.partitioner)
+        before = _settled_resident_bytes()
         compiled = compile_steps(engine, layout, chunk, steps)
         # The steps were traced by jitted functions of their own, which die in reference
         # cycles; collecting them frees their traces (about 35 MiB for SmolLM2's `generate`).
-        gc.collect()
-        release_host_memory()
-        return cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
+        after = _settled_resident_bytes()
+        host = None if before is None or after is None else max(0, after - before)
+        return cls(engine, layout, chunk, weights_bytes(model), compiled, budget, host)
 
     @property
     def scratch_bytes(self) -> int:
@@ -77,6 +98,16 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return max(e.peak for e in self.executables.values())
+
+    @property
+    def resident_bytes(self) -> int | None:
+        """On the CPU, the memory the plan keeps resident in this process while it runs: the
+        whole bill and the compiled steps' host memory. None where that was not measured or
+        the bill is of another device's memory.
+        """
+        if self.executables_host_bytes is None or self.mesh is not None or platform() != "cpu":
+            return None
+        return self.total_bytes + self.executables_host_bytes
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -242,6 +273,12 @@ class Plan:
                 )
             )
         lines.append(("whole bill (peak)", format_bytes(self.total_bytes)))
+        if self.executables_host_bytes is not None:
+            lines.append(
+                ("compiled steps (host memory)", format_bytes(self.executables_host_bytes))
+            )
+        if self.resident_bytes is not None:
+            lines.append(("resident while running", format_bytes(self.resident_bytes)))
         if self.budget is not None:
             lines.append(("budget", format_bytes(self.budget)))
         return lines

@@ -67,7 +67,8 @@ def test_bench_writes_json_and_prints_tables(tiny_tied, tmp_path, capsys):
         assert j[key] > 0, key
     assert j["compiles_cold"] >= 1
     assert j["peak_rss_since"] == "generation"
-    assert j["predicted_peak_bytes"] == data["baseline_rss_bytes"] + j["plan_total_bytes"]
+    resident = j["plan_total_bytes"] + j["plan_executables_host_bytes"]
+    assert j["predicted_peak_bytes"] == data["baseline_rss_bytes"] + resident
     # Decode rates come from a difference of times, which noise may make meaningless here.
     assert j["decode_tok_s"] is None or j["decode_tok_s"] > 0
     assert cell["transformers"]["prefill_tok_s"] > 0

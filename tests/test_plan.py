@@ -283,6 +283,32 @@ def test_release_host_memory_returns_free_heap_pages():
     del kept
 
 
+def test_plan_measures_the_host_memory_of_its_compiled_steps(tmp_path):
+    from jaxlm.memory import format_bytes, release_host_memory, resident_bytes
+
+    def settled() -> int:
+        gc.collect()
+        release_host_memory()
+        return resident_bytes()
+
+    make_hf_model(tmp_path, "llama_gqa4")
+    model, _ = jaxlm.load(tmp_path)
+    # The first plan of a process also pays the compiler's one-time state; the second holds
+    # only its executables.
+    jaxlm.plan(model, max_batch=2, max_seq_len=64)
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=64)
+    held = plan.executables_host_bytes
+    assert held > 1 << 20
+    assert plan.resident_bytes == plan.total_bytes + held
+    assert f"compiled steps (host memory): {format_bytes(held)}" in str(plan)
+    before = settled()
+    del plan
+    # Dropping the plan frees its executables: the kernel's count of resident pages falls by
+    # about what the plan measured.
+    freed = before - settled()
+    assert 0.5 * held < freed < 1.5 * held, (freed, held)
+
+
 def test_bfloat16_decode_holds_no_float32_copy_of_the_weights(tmp_path):
     # With one column of activations, XLA:CPU computes a bf16 matmul in float32 and hoists the
     # conversion of every weight out of the decode loop: a float32 copy of the weights among
