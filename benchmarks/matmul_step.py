@@ -3,8 +3,9 @@
 Every projection of every layer and the LM head run on `rows` activation rows with the model's
 own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no attention, no
 sampling). The variants:
-- `w @ x`: as jaxlm runs them, `jaxlm.layers.matmul`: the weight `[out, in]` (PyTorch's
-  layout) as the left operand, the activations feature-major `[in, rows]`;
+- `w @ x`: through `jaxlm.layers.matmul`, as jaxlm runs them but for gate and up, which run
+  as two products: the weight `[out, in]` (PyTorch's layout) as the left operand, the
+  activations feature-major `[in, rows]`;
 - `w @ x one dot`: the same as one `dot_general` each, without `matmul`'s split of small
   matrix-vector products over the CPU's threads (and its padding of bf16 to 2 columns);
 - `x @ w.T`: row-major activations `[rows, in]` as the left operand, the weight as stored as
@@ -12,7 +13,7 @@ sampling). The variants:
 - `x @ w, [in,out]`: row-major activations and transposed weights `[in, out]`;
 - `fused qkv, gate/up`: q, k and v concatenated into one `out,in` weight, gate and up into
   another, so a layer runs four matmuls instead of seven (as `w @ x`);
-- `fused gate/up`: only gate and up concatenated.
+- `fused gate/up`: only gate and up concatenated, as jaxlm stores them (`jaxlm.layers.MLP`).
 
 The variants run interleaved, round by round, and the table gives each one's median and best
 milliseconds per step and the weight bytes one step reads over the median time. Every variant
@@ -56,16 +57,10 @@ def layer_weights(model) -> tuple[list[dict], jax.Array]:
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        names = {
-            "q": attn.q_proj,
-            "k": attn.k_proj,
-            "v": attn.v_proj,
-            "o": attn.o_proj,
-            "gate": mlp.gate_proj,
-            "up": mlp.up_proj,
-            "down": mlp.down_proj,
-        }
-        layers.append({name: proj.weight[...] for name, proj in names.items()})
+        gate, up = mlp.gate_up_proj.weight[...]
+        names = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+        ws = {name: proj.weight[...] for name, proj in names.items()}
+        layers.append({**ws, "gate": gate, "up": up, "down": mlp.down_proj.weight[...]})
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
     return layers, head.weight[...]
 

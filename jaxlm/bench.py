@@ -330,7 +330,8 @@ def to_transformers(model):
     """A transformers causal LM with the same configuration and weights as a jaxlm `model`."""
     import torch
     import transformers
-    from flax import nnx
+
+    from jaxlm.loading import checkpoint_tensors
 
     c = model.config
     rope = {"rope_type": c.rope_scaling.rope_type, "rope_theta": c.rope_theta}
@@ -367,13 +368,12 @@ def to_transformers(model):
     ]
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     state = {}
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        value = np.asarray(var.get_value())
+    for name, value in checkpoint_tensors(model).items():
         if value.dtype == np.uint16:
             # A table stored as the bits of the model's dtype (see `jaxlm.layers.Embedding`).
             value = value.view(model.dtype)
         value = np.array(value, np.float32)
-        state[".".join(map(str, path))] = torch.from_numpy(value).to(dtype)
+        state[name] = torch.from_numpy(value).to(dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (c.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

@@ -156,13 +156,15 @@ def test_a_decode_step_computes_the_rotary_angles_once(tmp_path):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_multiplies_with_the_weights_on_the_left(tmp_path, dtype):
     # YNNPACK streams a matmul's left operand as stored and repacks its right one at every
-    # call, so the weights are the left operands: each projection's product is `[out, rows]`.
+    # call, so the weights are the left operands: each projection's product is `[out, rows]`,
+    # gate and up one product of both.
     config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
     model = LlamaForCausalLM.abstract(config, dtype=dtype)
     plan = jaxlm.plan(model, max_batch=3, max_seq_len=16, steps=("decode",))
     dots = re.findall(r"= f32\[(\d+),(\d+)\]\S* dot\(", plan.compiled["decode"].as_text())
     c = config
-    widths = {c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size, c.vocab_size}
+    kv, mlp = c.num_key_value_heads * c.head_dim, 2 * c.intermediate_size
+    widths = {c.hidden_size, kv, mlp, c.vocab_size}
     assert {(int(n), int(m)) for n, m in dots} == {(n, 3) for n in widths}
 
 

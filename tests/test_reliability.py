@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_hf_model
-from flax import nnx
 from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,6 +34,7 @@ import jaxlm
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
 from jaxlm.generate import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, _Detokenizer, bucket
+from jaxlm.loading import checkpoint_tensors
 
 FUZZ = settings(
     max_examples=100,
@@ -49,10 +49,7 @@ SHORT, LONG = (3, 7, 12, 16), (17, 23, 32)
 
 def weights(model) -> dict[str, np.ndarray]:
     """The model's tensors by checkpoint name, as NumPy arrays."""
-    return {
-        ".".join(map(str, path)): np.asarray(var.get_value())
-        for path, var in nnx.to_flat_state(nnx.state(model))
-    }
+    return checkpoint_tensors(model)
 
 
 def differing(a: np.ndarray, b: np.ndarray) -> int:

@@ -25,6 +25,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# Parameters that stack checkpoint tensors along a leading axis: a part of the parameter's name
+# -> the same part of each tensor's name, in stacking order (see `jaxlm.layers.MLP`).
+STACKED = {".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}
 
 
 def default_model_path() -> Path:
@@ -136,8 +139,9 @@ def build_model(
     abstract = LlamaForCausalLM.abstract(config, dtype=dtype)
     graphdef, state = nnx.split(abstract)
     variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
-    missing = sorted(set(variables) - available)
-    unexpected = sorted(available - set(variables))
+    needed = {part for name in variables for part in checkpoint_names(name)}
+    missing = sorted(needed - available)
+    unexpected = sorted(available - needed)
     if missing:
         raise LoadError(f"{where}: missing tensors " + ", ".join(f"`{n}`" for n in missing))
     if unexpected:
@@ -151,14 +155,23 @@ def build_model(
         expected = var.get_value().shape
         # A parameter the model stores as the bits of `dtype` (see `Embedding`).
         bits = var.get_value().dtype == jnp.uint16
-        _check_shape(where, name, checkpoint.shape(name), expected)
+        parts = checkpoint_names(name)
+        stacked = len(parts) > 1
+        for part in parts:
+            _check_shape(where, part, checkpoint.shape(part), expected[1:] if stacked else expected)
         if partitioner is None:
-            raw, decode = checkpoint.encoded(name)
-            value, finite[name] = _to_model(raw, decode=decode, dtype=dtype, bits=bits)
+            values = []
+            for part in parts:
+                raw, decode = checkpoint.encoded(part)
+                value, finite[part] = _to_model(raw, decode=decode, dtype=dtype, bits=bits)
+                values.append(value)
+            value = jnp.stack(values) if stacked else values[0]
         else:
             sharding = partitioner.sharding(param_axes(var))
-            value = _place(checkpoint.slicer(name), expected, dtype, sharding)
-            finite[name] = _all_finite(value)
+            readers = [checkpoint.slicer(part) for part in parts]
+            value = _place(readers, expected, dtype, sharding)
+            for i, part in enumerate(parts):
+                finite[part] = _all_finite(value[i] if stacked else value)
             if bits:
                 value = jax.lax.bitcast_convert_type(value, jnp.uint16)
         var.set_value(value)
@@ -179,11 +192,16 @@ def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
         )
 
 
-def _place(read, shape, dtype, sharding) -> jax.Array:
-    """Tensor `read` placed with `sharding`: each device reads, casts and receives its piece."""
+def _place(readers, shape, dtype, sharding) -> jax.Array:
+    """The tensor that `readers` read (one, or several stacked along a leading axis) placed
+    with `sharding`: each device reads, casts and receives its piece.
+    """
 
     def piece(index):
-        return np.asarray(read(index)).astype(dtype)
+        if len(readers) == 1:
+            return np.asarray(readers[0](index)).astype(dtype)
+        parts = [np.asarray(read(index[1:])) for read in readers[index[0]]]
+        return np.stack(parts).astype(dtype)
 
     return jax.make_array_from_callback(shape, sharding, piece)
 
@@ -260,3 +278,25 @@ def _not_finite(checkpoint, name: str, tensor, dtype) -> str:
 
 def _name(path) -> str:
     return ".".join(str(k) for k in path)
+
+
+def checkpoint_names(name: str) -> tuple[str, ...]:
+    """The checkpoint tensors that model parameter `name` holds, in the order of its leading
+    axis if it stacks several (see `STACKED`), else `(name,)`.
+    """
+    for stacked, parts in STACKED.items():
+        if stacked in name:
+            return tuple(name.replace(stacked, part) for part in parts)
+    return (name,)
+
+
+def checkpoint_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The parameters of `model` by checkpoint tensor name, as stored (stacked ones split), as
+    NumPy arrays.
+    """
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = np.asarray(var.get_value())
+        names = checkpoint_names(_name(path))
+        out.update(zip(names, value if len(names) > 1 else [value], strict=True))
+    return out

@@ -93,6 +93,8 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
         (attn.k_proj.weight, P("model", None)),
         (attn.o_proj.weight, P(None, "model")),
         (model.model.layers[0].mlp.down_proj.weight, P(None, "model")),
+        # Gate and up stacked `[2, out, in]`: each splits its rows.
+        (model.model.layers[0].mlp.gate_up_proj.weight, P(None, "model", None)),
         (model.model.embed_tokens.weight, P("model", None)),
         (model.lm_head.weight, P("model", None)),
     ]
