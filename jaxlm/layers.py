@@ -19,6 +19,7 @@ others are one dot each (bf16 at one row then converts the weights to f32). At 1
 prompt's chunk, the float32 gate and up projections ran slower feature-major (59.6 vs 51.0 ms
 of a 128-token prefill) and the other projections faster (50.3 vs 56.0): the float32 prefill
 of 128 tokens lost 2-6% (7-14% in `benchmarks/bench.py`); bf16 prefill held and decode gained.
+Gate and up as one product (see `MLP`) won the float32 prefill back (52.1 ms for both).
 
 Other CPUs differ: with row-major activations, an AMD EPYC ran `[in, out]` weights 1.47x faster
 than `[out, in]` at 8 rows; the operand order was measured on this Xeon only.
