@@ -29,33 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from jaxlm.bench import current_rss, peak_rss, reset_peak_rss
+
 DEFAULT_SIZES_MIB = (64, 128, 256, 512, 1024, 2048)
 QUICK_SIZES_MIB = (64, 512)
 MIB = 2**20
-
-
-def current_rss() -> int:
-    """This process's resident set size now, in bytes."""
-    return _status("VmRSS")
-
-
-def peak_rss_since_reset() -> int:
-    """This process's peak resident set size since the last `reset_peak_rss`, in bytes."""
-    return _status("VmHWM")
-
-
-def reset_peak_rss() -> None:
-    """Set the peak resident set size (`VmHWM`) to the current one (Linux 4.0 and later)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _time_steps(step, scratch, tokens, steps: int, budget_s: float):
@@ -147,7 +125,7 @@ def measure(
         out[f"{name}_other_load_cores"] = load.cores
         out[f"{name}_step_s"] = step_s
         out[f"{name}_steps"] = n
-        out[f"{name}_measured_bytes"] = peak_rss_since_reset() - ready
+        out[f"{name}_measured_bytes"] = peak_rss() - ready
         # The step's arguments include the weights, which were resident before it ran.
         out[f"{name}_predicted_bytes"] = memory[name].peak - weights
         del scratch
@@ -155,7 +133,7 @@ def measure(
     ready = current_rss()
     reset_peak_rss()
     jaxlm.generate(model, None, prompt, max_new_tokens=2, stop_token_ids=[], plan=plan)
-    out["generate_measured_bytes"] = peak_rss_since_reset() - ready
+    out["generate_measured_bytes"] = peak_rss() - ready
     out["generate_predicted_bytes"] = plan.total_bytes - weights
     out["process_peak_growth_bytes"] = _ru_maxrss() - baseline
     out["baseline_rss_bytes"] = baseline

@@ -244,8 +244,9 @@ class MLP(nnx.Module):
     The gate and up weights are stacked, `gate_up_proj.weight` `[2, intermediate, hidden]`
     (checkpoints' `gate_proj` and `up_proj`, see `jaxlm.loading.STACKED`), and multiply as one
     product: SmolLM2's float32 prefill of 128 tokens took 131-132 ms instead of 139-140 (one
-    [3072, 576] product per layer instead of two [1536, 576]); float32 decode held, and bf16
-    decode at batch 1 lost 1-4%.
+    [3072, 576] product per layer instead of two [1536, 576]); float32 decode and bf16 prefill
+    held, and bf16 decode at batch 1 ran 1-4% slower timed directly, within the noise of
+    `benchmarks/bench.py`.
     """
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
