@@ -317,6 +317,25 @@ def test_shape_mismatch(tmp_path):
         jaxlm.load(tmp_path)
 
 
+def test_shape_mismatch_in_a_stacked_parameter_names_the_checkpoint_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    # Gate and up load into one stacked parameter; the error names the tensor and its own shape.
+    make_hf_model(tmp_path, "llama_gqa4")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.gate_proj.weight"
+    tensors[name] = tensors[name].T.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    i, h = tensors["model.layers.1.mlp.up_proj.weight"].shape
+    with pytest.raises(
+        jaxlm.LoadError,
+        match=rf"`model\.layers\.1\.mlp\.gate_proj\.weight` has shape \[{h}, {i}\], "
+        rf"the config needs \[{i}, {h}\]",
+    ):
+        jaxlm.load(tmp_path)
+
+
 def test_unsupported_model_type(tmp_path):
     make_hf_model(tmp_path, "llama_gqa4")
     rewrite_config(tmp_path, model_type="gpt2")
