@@ -142,15 +142,16 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
     assert len({id(c) for c in calls}) == 1
 
 
-def test_a_decode_step_computes_the_rotary_angles_once(tmp_path):
+@pytest.mark.parametrize(("step", "computed"), [("decode", 1), ("generate", 2)])
+def test_a_step_computes_the_rotary_angles_once(tmp_path, step, computed):
     config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
-    plan = jaxlm.plan(
-        LlamaForCausalLM.abstract(config), max_batch=1, max_seq_len=16, steps=("decode",)
-    )
-    hlo = plan.compiled["decode"].as_text()
-    # One cosine and one sine of the step's positions, not one per query and key of each layer.
+    plan = jaxlm.plan(LlamaForCausalLM.abstract(config), max_batch=1, max_seq_len=16, steps=(step,))
+    hlo = plan.compiled[step].as_text()
+    # One cosine and one sine of the step's positions, not one per query and key of each layer:
+    # `generate` computes them for its prompt's one chunk (whose first slot is the constant 0)
+    # and in its decode loop.
     assert config.num_hidden_layers > 1
-    assert len(re.findall(r" cosine\(", hlo)) == len(re.findall(r" sine\(", hlo)) == 1
+    assert len(re.findall(r" cosine\(", hlo)) == len(re.findall(r" sine\(", hlo)) == computed
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -220,18 +220,22 @@ class LlamaModel(nnx.Module):
             x = layer(x, cos, sin, mask)
         return self.norm(x)
 
-    def _rope_once(self, positions, index):
+    def _rope_once(self, positions):
         # XLA:CPU fuses `cos` and `sin` into each consumer, the queries and keys of every layer,
         # and so computed them 60 times a step for SmolLM2 (2.3 ms of an 80 ms decode step at
-        # batch 8). A conditional's results are materialised, so they are computed once here;
-        # `index` is never negative, but XLA cannot know it, and the other branch is the
-        # identity rotation.
+        # batch 8, 8 ms of a 140 ms prefill of 128 tokens). A conditional's results are
+        # materialised, so they are computed once here, under a predicate that XLA cannot fold
+        # (it removes optimization barriers, and a prompt of one chunk starts at the constant
+        # slot 0). A chunk that is padding in every row, masked everywhere, is not rotated.
         def identity(positions):
             shape = (self.config.head_dim, *positions.shape)
             return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
         return jax.lax.cond(
-            index >= 0, functools.partial(rope_cos_sin, self.config), identity, positions
+            jnp.max(positions) >= 0,
+            functools.partial(rope_cos_sin, self.config),
+            identity,
+            jnp.maximum(positions, 0),
         )
 
     def forward_cached(self, input_ids, scratch):
@@ -246,7 +250,7 @@ class LlamaModel(nnx.Module):
             jnp.broadcast_to(k_slots, (b, seq)),
             k_slots[None, :] >= start[:, None],
         )
-        cos, sin = self._rope_once(jnp.maximum(positions, 0), index)
+        cos, sin = self._rope_once(positions)
         x = self.embed_tokens(input_ids)
         layers = {}
         for i, layer in enumerate(self.layers):
