@@ -89,8 +89,8 @@ def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
     bf16 matmuls at batch 1 against 21.3 in float32. float16 weights are converted to float32
     at any size, so padding them gains nothing.
 
-    On CPU, a one-column product with a small matrix runs as a batched dot of one part of the
-    matrix per thread (see `_gemv_parts`).
+    On CPU, a one-column product runs as a batched dot of parts of the matrix (see
+    `_gemv_parts`).
     """
     cols = math.prod(x.shape[1:])
     out = (*w.shape[:-1], *x.shape[1:])
@@ -111,9 +111,8 @@ def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
     return jax.lax.dot_general(w, x.astype(w.dtype), dims, preferred_element_type=jnp.float32)
 
 
-# XLA:CPU splits a matrix-vector product into one work group per started 2 MiB of its matrix,
-# at most 8, which its threads share: a matrix of at most 2 MiB runs on one thread.
-_GEMV_ONE_THREAD_BYTES = 2 << 20
+# A one-column product runs as a batched dot of this many parts of its matrix (see `_gemv_parts`).
+_GEMV_PARTS = 8
 
 
 @functools.cache
@@ -124,25 +123,25 @@ def _cpu_threads() -> int:
 
 
 def _gemv_parts(w: jax.Array) -> int:
-    """In how many parts a one-column product with `w` runs: one per CPU thread for a matrix that
-    XLA would leave on one thread, else 1 (also off CPU, and on several devices, where the
-    weights are sharded).
+    """In how many parts a one-column product with `w` runs: `_GEMV_PARTS` on a CPU with
+    several threads when they divide its rows, else 1 (also off CPU, and on several devices,
+    where the weights are sharded).
 
-    SmolLM2's q, k, v and o (1.3 and 0.4 MiB in float32) ran on one of the 2 cores at 13 GB/s.
-    Split, the float32 matmuls of a decode step took 21.3 ms instead of 27.2
-    (`benchmarks/matmul_step.py`, `w @ x` vs `w @ x one dot`). With more columns, XLA computes
-    a matrix product, which splitting slowed down (8 rows, row-major: 43.0 vs 40.8 ms).
+    XLA:CPU splits a matrix-vector product into one work group per started 2 MiB of its matrix
+    (at most 8), so SmolLM2's q, k, v and o (1.3 and 0.4 MiB in float32) ran on one of the 2
+    cores at 13 GB/s; one part per thread took the float32 matmuls of a decode step from 27.2
+    to 21.3 ms (`benchmarks/matmul_step.py`, `w @ x` vs `w @ x one dot`). Eight parts do
+    better than one per thread: the threads take the parts as they come, and a thread woken
+    from sleep, 35-40 us late on this machine's virtual CPUs, finds fewer parts left instead
+    of its half still to do. SmolLM2's float32 decode, alternated in one process, three runs:
+    40.5 / 40.3 / 39.9 tok/s against 38.6 / 39.7 / 38.8 with one part per thread below 2 MiB
+    and XLA's split above (16 parts below 2 MiB: 35.6). With more columns, XLA computes a
+    matrix product, which splitting slowed down (8 rows, row-major: 43.0 vs 40.8 ms).
     """
-    threads = min(_cpu_threads(), 8)
-    if (
-        threads < 2
-        or w.size * w.dtype.itemsize > _GEMV_ONE_THREAD_BYTES
-        or (w.size // w.shape[-1]) % threads
-        or platform() != "cpu"
-        or jax.device_count() > 1
-    ):
+    rows = w.size // w.shape[-1]
+    if _cpu_threads() < 2 or rows % _GEMV_PARTS or platform() != "cpu" or jax.device_count() > 1:
         return 1
-    return threads
+    return _GEMV_PARTS
 
 
 class Linear(nnx.Module):
