@@ -3,8 +3,8 @@
 Every projection of every layer and the LM head run on `rows` activation rows with the model's
 own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no attention, no
 sampling). The variants:
-- `w @ x`: through `jaxlm.layers.matmul`, as jaxlm runs them but for gate and up, which run
-  as two products: the weight `[out, in]` (PyTorch's layout) as the left operand, the
+- `w @ x`: through `jaxlm.layers.matmul`, as jaxlm runs them but for q/k/v and gate/up, which
+  run as separate products: the weight `[out, in]` (PyTorch's layout) as the left operand, the
   activations feature-major `[in, rows]`;
 - `w @ x one dot`: the same as one `dot_general` each, without `matmul`'s split of small
   matrix-vector products over the CPU's threads (and its padding of bf16 to 2 columns);
@@ -12,8 +12,10 @@ sampling). The variants:
   the right one (jaxlm before it went feature-major);
 - `x @ w, [in,out]`: row-major activations and transposed weights `[in, out]`;
 - `fused qkv, gate/up`: q, k and v concatenated into one `out,in` weight, gate and up into
-  another, so a layer runs four matmuls instead of seven (as `w @ x`);
-- `fused gate/up`: only gate and up concatenated, as jaxlm stores them (`jaxlm.layers.MLP`).
+  another, so a layer runs four matmuls instead of seven (as `w @ x`), as jaxlm stores them
+  (`jaxlm.layers.MLP`, `jaxlm.models.llama.Attention`, whose q/k/v rows are grouped by KV
+  head: the same product);
+- `fused gate/up`: only gate and up concatenated.
 
 The variants run interleaved, round by round, and the table gives each one's median and best
 milliseconds per step and the weight bytes one step reads over the median time. Every variant
@@ -58,8 +60,17 @@ def layer_weights(model) -> tuple[list[dict], jax.Array]:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         gate, up = mlp.gate_up_proj.weight[...]
-        names = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
-        ws = {name: proj.weight[...] for name, proj in names.items()}
+        qkv = attn.qkv_proj.weight[...]  # [kv_heads, (groups + 2) * head_dim, hidden]
+        queries, d, hidden = (
+            model.config.num_kv_groups * model.config.head_dim,
+            model.config.head_dim,
+            qkv.shape[-1],
+        )
+        q, k, v = (
+            qkv[:, a:b].reshape(-1, hidden)
+            for a, b in ((0, queries), (queries, queries + d), (queries + d, queries + 2 * d))
+        )
+        ws = {"q": q, "k": k, "v": v, "o": attn.o_proj.weight[...]}
         layers.append({**ws, "gate": gate, "up": up, "down": mlp.down_proj.weight[...]})
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
     return layers, head.weight[...]

@@ -149,7 +149,8 @@ class Linear(nnx.Module):
     `[out, in]`, or as `[stack, out, in]` for `stack` projections of the same input computed
     as one product.
 
-    `axes` names the logical sharding axes of `in` and `out` (see `jaxlm.sharding`).
+    `axes` names the logical sharding axes of `in` and `out`, `stack_axis` that of `stack`
+    (see `jaxlm.sharding`).
     """
 
     def __init__(
@@ -162,12 +163,13 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         axes: tuple[str | None, str | None] = (None, None),
         stack: int | None = None,
+        stack_axis: str | None = None,
     ):
-        lead = () if stack is None else (stack,)
+        lead, lead_axes = ((), ()) if stack is None else ((stack,), (stack_axis,))
         weight = _normal(rngs, (*lead, out_features, in_features), dtype)
-        self.weight = nnx.Param(weight, axes=(None,) * len(lead) + axes[::-1])
+        self.weight = nnx.Param(weight, axes=lead_axes + axes[::-1])
         self.bias = (
-            nnx.Param(jnp.zeros((*lead, out_features), dtype), axes=(None,) * len(lead) + axes[1:])
+            nnx.Param(jnp.zeros((*lead, out_features), dtype), axes=lead_axes + axes[1:])
             if bias
             else None
         )

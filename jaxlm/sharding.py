@@ -6,14 +6,16 @@ axes jaxlm uses:
 
 - `"data"` splits the batch: the rows of every scratch slot (KV cache, decode state).
 - `"model"` splits the layers (Megatron style): attention heads and MLP columns in the
-  column-parallel q/k/v, gate and up projections, their rows in the row-parallel o and down
-  projections (XLA adds the reduction), and the vocabulary of the embedding and LM head.
+  column-parallel q/k/v (split by KV head, each with its query heads), gate and up projections,
+  their rows in the row-parallel o and down projections (XLA adds the reduction), and the
+  vocabulary of the embedding and LM head.
 
 The logical axes are `"heads"`, `"kv_heads"`, `"mlp"`, `"vocab"` and `"batch"`. The `model` axis
 must divide the attention heads and the MLP width, or `shard` refuses the mesh. A grouped-query
 model with fewer KV heads than `model` devices (or a count the axis does not divide) replicates
-its KV heads: each device keeps every KV head and its own query heads. A vocabulary the axis
-does not divide is replicated too.
+its KV heads: each device keeps every KV head and, as they share one projection (see
+`jaxlm.models.llama.Attention`), every query head, while the o projection still splits. A
+vocabulary the axis does not divide is replicated too.
 """
 
 from __future__ import annotations

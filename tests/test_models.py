@@ -91,7 +91,7 @@ def test_bf16_checkpoint_loaded_as_float32(tmp_path):
 def test_bfloat16_model(tmp_path):
     hf = make_hf_model(tmp_path, "llama_gqa4", dtype=torch.bfloat16)
     model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
-    assert model.model.layers[0].self_attn.q_proj.weight.dtype == jnp.bfloat16
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == jnp.bfloat16
     # The weights are exact (bf16 in both); jaxlm rounds each matmul's input to bf16 and
     # accumulates in f32, so each of the ~8 matmuls on a logit's path adds a relative error of
     # at most 2**-8 on activations of order 1; logits of these tiny models are of order 0.1-1.
@@ -158,14 +158,14 @@ def test_a_step_computes_the_rotary_angles_once(tmp_path, step, computed):
 def test_decode_multiplies_with_the_weights_on_the_left(tmp_path, dtype):
     # YNNPACK streams a matmul's left operand as stored and repacks its right one at every
     # call, so the weights are the left operands: each projection's product is `[out, rows]`,
-    # gate and up one product of both.
+    # queries, keys and values one product, gate and up another.
     config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
     model = LlamaForCausalLM.abstract(config, dtype=dtype)
     plan = jaxlm.plan(model, max_batch=3, max_seq_len=16, steps=("decode",))
     dots = re.findall(r"= f32\[(\d+),(\d+)\]\S* dot\(", plan.compiled["decode"].as_text())
     c = config
-    kv, mlp = c.num_key_value_heads * c.head_dim, 2 * c.intermediate_size
-    widths = {c.hidden_size, kv, mlp, c.vocab_size}
+    qkv = c.num_key_value_heads * (c.num_kv_groups + 2) * c.head_dim
+    widths = {c.hidden_size, qkv, 2 * c.intermediate_size, c.vocab_size}
     assert {(int(n), int(m)) for n, m in dots} == {(n, 3) for n in widths}
 
 
@@ -316,21 +316,23 @@ def test_shape_mismatch(tmp_path):
         jaxlm.load(tmp_path)
 
 
-def test_shape_mismatch_in_a_stacked_parameter_names_the_checkpoint_tensor(tmp_path):
+@pytest.mark.parametrize("tensor", ["mlp.gate_proj", "self_attn.v_proj"])
+def test_shape_mismatch_in_a_joined_parameter_names_the_checkpoint_tensor(tmp_path, tensor):
     from safetensors.torch import load_file, save_file
 
-    # Gate and up load into one stacked parameter; the error names the tensor and its own shape.
+    # Gate and up load into one stacked parameter, q, k and v into one grouped by KV head; the
+    # error names the tensor and its own shape.
     make_hf_model(tmp_path, "llama_gqa4")
     file = tmp_path / "model.safetensors"
     tensors = load_file(file)
-    name = "model.layers.1.mlp.gate_proj.weight"
+    name = f"model.layers.1.{tensor}.weight"
+    rows, cols = tensors[name].shape
     tensors[name] = tensors[name].T.contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
-    i, h = tensors["model.layers.1.mlp.up_proj.weight"].shape
     with pytest.raises(
         jaxlm.LoadError,
-        match=rf"`model\.layers\.1\.mlp\.gate_proj\.weight` has shape \[{h}, {i}\], "
-        rf"the config needs \[{i}, {h}\]",
+        match=rf"`{re.escape(name)}` has shape \[{cols}, {rows}\], "
+        rf"the config needs \[{rows}, {cols}\]",
     ):
         jaxlm.load(tmp_path)
 

@@ -25,9 +25,15 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-# Parameters that stack checkpoint tensors along a leading axis: a part of the parameter's name
-# -> the same part of each tensor's name, in stacking order (see `jaxlm.layers.MLP`).
+# Parameters that join several checkpoint tensors: a part of the parameter's name -> the same
+# part of each tensor's name, in order. Gate and up stack along a leading axis (see
+# `jaxlm.layers.MLP`); the query, key and value projections are `[kv_heads, rows, ...]`, each
+# KV head's block the rows of its query heads, its key and its value (see
+# `jaxlm.models.llama.Attention`).
 STACKED = {".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}
+GROUPED = {
+    ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.")
+}
 
 
 def default_model_path() -> Path:
@@ -156,22 +162,22 @@ def build_model(
         # A parameter the model stores as the bits of `dtype` (see `Embedding`).
         bits = var.get_value().dtype == jnp.uint16
         parts = checkpoint_names(name)
-        stacked = len(parts) > 1
-        for part in parts:
-            _check_shape(where, part, checkpoint.shape(part), expected[1:] if stacked else expected)
+        shapes = _part_shapes(config, name, expected)
+        for part, shape in zip(parts, shapes, strict=True):
+            _check_shape(where, part, checkpoint.shape(part), shape)
         if partitioner is None:
             values = []
             for part in parts:
                 raw, decode = checkpoint.encoded(part)
                 value, finite[part] = _to_model(raw, decode=decode, dtype=dtype, bits=bits)
                 values.append(value)
-            value = jnp.stack(values) if stacked else values[0]
+            value = _join(name, values, expected)
         else:
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
-            value = _place(readers, expected, dtype, sharding)
-            for i, part in enumerate(parts):
-                finite[part] = _all_finite(value[i] if stacked else value)
+            value = _place(name, readers, shapes, expected, dtype, sharding)
+            for part, piece in zip(parts, _split(name, value, shapes), strict=True):
+                finite[part] = _all_finite(piece)
             if bits:
                 value = jax.lax.bitcast_convert_type(value, jnp.uint16)
         var.set_value(value)
@@ -192,16 +198,25 @@ def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
         )
 
 
-def _place(readers, shape, dtype, sharding) -> jax.Array:
-    """The tensor that `readers` read (one, or several stacked along a leading axis) placed
-    with `sharding`: each device reads, casts and receives its piece.
+def _place(name: str, readers, shapes, shape, dtype, sharding) -> jax.Array:
+    """Parameter `name` of `shape`, read by `readers` (one per checkpoint tensor, of `shapes`),
+    placed with `sharding`: each device reads, casts and receives its piece.
     """
 
     def piece(index):
         if len(readers) == 1:
             return np.asarray(readers[0](index)).astype(dtype)
-        parts = [np.asarray(read(index[1:])) for read in readers[index[0]]]
-        return np.stack(parts).astype(dtype)
+        if _joined(name, STACKED):
+            parts = [np.asarray(read(index[1:])) for read in readers[index[0]]]
+            return np.stack(parts).astype(dtype)
+        # The KV heads `index[0]` of each tensor, as their blocks of rows.
+        heads = range(shape[0])[index[0]]
+        blocks = []
+        for read, part in zip(readers, shapes, strict=True):
+            rows = part[0] // shape[0]
+            block = np.asarray(read((slice(heads.start * rows, heads.stop * rows), *index[2:])))
+            blocks.append(block.reshape(len(heads), rows, *block.shape[1:]))
+        return np.concatenate(blocks, axis=1)[:, index[1]].astype(dtype)
 
     return jax.make_array_from_callback(shape, sharding, piece)
 
@@ -280,23 +295,64 @@ def _name(path) -> str:
     return ".".join(str(k) for k in path)
 
 
+def _joined(name: str, table: dict) -> tuple[str, ...] | None:
+    for joined, parts in table.items():
+        if joined in name:
+            return tuple(name.replace(joined, part) for part in parts)
+    return None
+
+
 def checkpoint_names(name: str) -> tuple[str, ...]:
-    """The checkpoint tensors that model parameter `name` holds, in the order of its leading
-    axis if it stacks several (see `STACKED`), else `(name,)`.
+    """The checkpoint tensors that model parameter `name` holds, in order if it joins several
+    (see `STACKED` and `GROUPED`), else `(name,)`.
     """
-    for stacked, parts in STACKED.items():
-        if stacked in name:
-            return tuple(name.replace(stacked, part) for part in parts)
-    return (name,)
+    return _joined(name, STACKED) or _joined(name, GROUPED) or (name,)
+
+
+def _part_shapes(config: ModelConfig, name: str, shape) -> list[tuple[int, ...]]:
+    """The shapes of the checkpoint tensors that parameter `name` of `shape` joins."""
+    if _joined(name, STACKED):
+        return [tuple(shape[1:])] * shape[0]
+    if _joined(name, GROUPED):
+        d, rest = config.head_dim, tuple(shape[2:])
+        q = config.num_attention_heads * d
+        kv = config.num_key_value_heads * d
+        return [(q, *rest), (kv, *rest), (kv, *rest)]
+    return [tuple(shape)]
+
+
+def _join(name: str, values, shape) -> jax.Array:
+    """The parameter `name` of `shape` from its checkpoint tensors' `values`."""
+    if len(values) == 1:
+        return values[0]
+    if _joined(name, STACKED):
+        return jnp.stack(values)
+    return jnp.concatenate([v.reshape(shape[0], -1, *v.shape[1:]) for v in values], axis=1)
+
+
+def _split(name: str, value, shapes) -> list:
+    """The checkpoint tensors of `shapes` that parameter `name` holds in `value`: the inverse
+    of `_join`.
+    """
+    if len(shapes) == 1:
+        return [value]
+    if _joined(name, STACKED):
+        return [value[i] for i in range(len(shapes))]
+    out, start = [], 0
+    for shape in shapes:
+        rows = shape[0] // value.shape[0]
+        out.append(value[:, start : start + rows].reshape(shape))
+        start += rows
+    return out
 
 
 def checkpoint_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The parameters of `model` by checkpoint tensor name, as stored (stacked ones split), as
+    """The parameters of `model` by checkpoint tensor name, as stored (joined ones split), as
     NumPy arrays.
     """
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = np.asarray(var.get_value())
-        names = checkpoint_names(_name(path))
-        out.update(zip(names, value if len(names) > 1 else [value], strict=True))
+        name, value = _name(path), np.asarray(var.get_value())
+        shapes = _part_shapes(model.config, name, value.shape)
+        out.update(zip(checkpoint_names(name), _split(name, value, shapes), strict=True))
     return out

@@ -70,8 +70,8 @@ def test_shard_moves_a_loaded_model(saved, single):
     model, _ = jaxlm.load(saved["qwen2"])
     sharded = jaxlm.shard(model, (2, 2))
     np.testing.assert_allclose(np.asarray(sharded(ids)), logits, atol=1e-5, rtol=0)
-    q = sharded.model.layers[0].self_attn.q_proj.weight[...]
-    assert q.sharding.spec == P("model", None)
+    qkv = sharded.model.layers[0].self_attn.qkv_proj.weight[...]
+    assert qkv.sharding.spec == P("model", None, None)
 
 
 def _by_device(arrays) -> dict:
@@ -89,8 +89,9 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
     expected = [
         # Weights are `[out, in]`: column-parallel ones split their rows, row-parallel ones
         # their columns.
-        (attn.q_proj.weight, P("model", None)),
-        (attn.k_proj.weight, P("model", None)),
+        # Queries, keys and values `[kv_heads, rows, in]`: each KV head's block of rows stays
+        # whole on one device.
+        (attn.qkv_proj.weight, P("model", None, None)),
         (attn.o_proj.weight, P(None, "model")),
         (model.model.layers[0].mlp.down_proj.weight, P(None, "model")),
         # Gate and up stacked `[2, out, in]`: each splits its rows.
@@ -122,11 +123,12 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
 
 
 def test_too_few_kv_heads_are_replicated(saved):
-    # 2 KV heads cannot split 4 ways: every device keeps both, with its own 2 query heads.
+    # 2 KV heads cannot split 4 ways: every device keeps both, and the query heads that share
+    # the KV heads' projection; the output projection still splits its columns.
     model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight[...].sharding.spec == P("model", None)
-    assert attn.k_proj.weight[...].sharding.spec == P(None, None)
+    assert attn.qkv_proj.weight[...].sharding.spec == P(None, None, None)
+    assert attn.o_proj.weight[...].sharding.spec == P(None, "model")
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
     k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_cache"]
     assert {s.data.shape for s in k.addressable_shards} == {(4, 8, 32)}
