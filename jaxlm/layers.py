@@ -124,8 +124,8 @@ def _cpu_threads() -> int:
 
 def _gemv_parts(w: jax.Array) -> int:
     """In how many parts a one-column product with `w` runs: `_GEMV_PARTS` on a CPU with
-    several threads when they divide its rows, else 1 (also off CPU, and on several devices,
-    where the weights are sharded).
+    several threads where that many divide its rows, else 1 (also off CPU, and on several
+    devices, where the weights are sharded).
 
     XLA:CPU splits a matrix-vector product into one work group per started 2 MiB of its matrix
     (at most 8), so SmolLM2's q, k, v and o (1.3 and 0.4 MiB in float32) ran on one of the 2
