@@ -161,8 +161,8 @@ def build_model(
         expected = var.get_value().shape
         # A parameter the model stores as the bits of `dtype` (see `Embedding`).
         bits = var.get_value().dtype == jnp.uint16
-        parts = checkpoint_names(name)
-        shapes = _part_shapes(config, name, expected)
+        parts, kind = checkpoint_names(name), _join_kind(name)
+        shapes = _part_shapes(config, kind, expected)
         for part, shape in zip(parts, shapes, strict=True):
             _check_shape(where, part, checkpoint.shape(part), shape)
         if partitioner is None:
@@ -171,12 +171,12 @@ def build_model(
                 raw, decode = checkpoint.encoded(part)
                 value, finite[part] = _to_model(raw, decode=decode, dtype=dtype, bits=bits)
                 values.append(value)
-            value = _join(name, values, expected)
+            value = _join(kind, values, expected)
         else:
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
-            value = _place(name, readers, shapes, expected, dtype, sharding)
-            for part, piece in zip(parts, _split(name, value, shapes), strict=True):
+            value = _place(kind, readers, shapes, expected, dtype, sharding)
+            for part, piece in zip(parts, _split(kind, value, shapes), strict=True):
                 finite[part] = _all_finite(piece)
             if bits:
                 value = jax.lax.bitcast_convert_type(value, jnp.uint16)
@@ -198,15 +198,16 @@ def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
         )
 
 
-def _place(name: str, readers, shapes, shape, dtype, sharding) -> jax.Array:
-    """Parameter `name` of `shape`, read by `readers` (one per checkpoint tensor, of `shapes`),
-    placed with `sharding`: each device reads, casts and receives its piece.
+def _place(kind: str | None, readers, shapes, shape, dtype, sharding) -> jax.Array:
+    """The parameter of `shape` that `readers` read (one per checkpoint tensor, of `shapes`,
+    joined as `kind`, see `_join`) placed with `sharding`: each device reads, casts and
+    receives its piece.
     """
 
     def piece(index):
-        if len(readers) == 1:
+        if kind is None:
             return np.asarray(readers[0](index)).astype(dtype)
-        if _joined(name, STACKED):
+        if kind == "stacked":
             parts = [np.asarray(read(index[1:])) for read in readers[index[0]]]
             return np.stack(parts).astype(dtype)
         # The KV heads `index[0]` of each tensor, as their blocks of rows.
@@ -295,10 +296,11 @@ def _name(path) -> str:
     return ".".join(str(k) for k in path)
 
 
-def _joined(name: str, table: dict) -> tuple[str, ...] | None:
-    for joined, parts in table.items():
-        if joined in name:
-            return tuple(name.replace(joined, part) for part in parts)
+def _join_kind(name: str) -> str | None:
+    """How parameter `name` joins checkpoint tensors: `"stacked"`, `"grouped"` or None."""
+    for kind, table in (("stacked", STACKED), ("grouped", GROUPED)):
+        if any(joined in name for joined in table):
+            return kind
     return None
 
 
@@ -306,14 +308,17 @@ def checkpoint_names(name: str) -> tuple[str, ...]:
     """The checkpoint tensors that model parameter `name` holds, in order if it joins several
     (see `STACKED` and `GROUPED`), else `(name,)`.
     """
-    return _joined(name, STACKED) or _joined(name, GROUPED) or (name,)
+    for joined, parts in (STACKED | GROUPED).items():
+        if joined in name:
+            return tuple(name.replace(joined, part) for part in parts)
+    return (name,)
 
 
-def _part_shapes(config: ModelConfig, name: str, shape) -> list[tuple[int, ...]]:
-    """The shapes of the checkpoint tensors that parameter `name` of `shape` joins."""
-    if _joined(name, STACKED):
+def _part_shapes(config: ModelConfig, kind: str | None, shape) -> list[tuple[int, ...]]:
+    """The shapes of the checkpoint tensors that a parameter of `shape` joins as `kind`."""
+    if kind == "stacked":
         return [tuple(shape[1:])] * shape[0]
-    if _joined(name, GROUPED):
+    if kind == "grouped":
         d, rest = config.head_dim, tuple(shape[2:])
         q = config.num_attention_heads * d
         kv = config.num_key_value_heads * d
@@ -321,22 +326,25 @@ def _part_shapes(config: ModelConfig, name: str, shape) -> list[tuple[int, ...]]
     return [tuple(shape)]
 
 
-def _join(name: str, values, shape) -> jax.Array:
-    """The parameter `name` of `shape` from its checkpoint tensors' `values`."""
-    if len(values) == 1:
+def _join(kind: str | None, values, shape) -> jax.Array:
+    """The parameter of `shape` from its checkpoint tensors' `values`: the one tensor, the
+    tensors `"stacked"` along a leading axis, or `"grouped"`, each reshaped to `[shape[0],
+    rows, ...]` and joined along its rows.
+    """
+    if kind is None:
         return values[0]
-    if _joined(name, STACKED):
+    if kind == "stacked":
         return jnp.stack(values)
     return jnp.concatenate([v.reshape(shape[0], -1, *v.shape[1:]) for v in values], axis=1)
 
 
-def _split(name: str, value, shapes) -> list:
-    """The checkpoint tensors of `shapes` that parameter `name` holds in `value`: the inverse
-    of `_join`.
+def _split(kind: str | None, value, shapes) -> list:
+    """The checkpoint tensors of `shapes` that a parameter joined as `kind` holds in `value`:
+    the inverse of `_join`.
     """
-    if len(shapes) == 1:
+    if kind is None:
         return [value]
-    if _joined(name, STACKED):
+    if kind == "stacked":
         return [value[i] for i in range(len(shapes))]
     out, start = [], 0
     for shape in shapes:
@@ -353,6 +361,7 @@ def checkpoint_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, value = _name(path), np.asarray(var.get_value())
-        shapes = _part_shapes(model.config, name, value.shape)
-        out.update(zip(checkpoint_names(name), _split(name, value, shapes), strict=True))
+        kind = _join_kind(name)
+        shapes = _part_shapes(model.config, kind, value.shape)
+        out.update(zip(checkpoint_names(name), _split(kind, value, shapes), strict=True))
     return out
