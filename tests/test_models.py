@@ -185,6 +185,40 @@ def test_a_one_row_matmul_is_spread_over_the_cpu_threads(out_features):
     np.testing.assert_allclose(jax.jit(matmul)(w, x), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 128), (2, 40), (1, 32), (1, 63)])
+def test_a_prompt_chunk_runs_the_mlp_in_two_halves(batch, tokens):
+    # On a CPU with several threads, from 64 even columns on, each half of the chunk's tokens
+    # goes through the three products of the MLP on its own.
+    from jaxlm.layers import MLP
+
+    config = ModelConfig.from_hf_config(
+        dict(
+            model_type="llama",
+            vocab_size=8,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+        )
+    )
+    mlp = MLP(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).standard_normal((64, batch, tokens), np.float32)
+    graphdef, state = nnx.split(mlp)
+    run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    cols = batch * tokens
+    halves = len(os.sched_getaffinity(0)) > 1 and cols >= 64 and cols % 2 == 0
+    dots = re.findall(r"= f32\[([\d,]+)\]\S* dot\(", run.lower(state, x).compile().as_text())
+    n = cols // 2 if halves else cols
+    assert sorted(dots) == sorted([f"192,{n}", f"64,{n}"] * (2 if halves else 1))
+    weights = nnx.state(mlp, nnx.Param)
+    w_gate, w_up = np.asarray(weights["gate_up_proj"]["weight"][...])
+    w_down = np.asarray(weights["down_proj"]["weight"][...])
+    gate = np.einsum("ik,kbt->ibt", w_gate, x)
+    up = np.einsum("ik,kbt->ibt", w_up, x)
+    expected = np.einsum("oi,ibt->obt", w_down, gate / (1 + np.exp(-gate)) * up)
+    np.testing.assert_allclose(run(state, x), expected, rtol=1e-5, atol=1e-5)
+
+
 FULL_SIZE = {
     # Published parameter counts (model cards / safetensors metadata on the Hub).
     "Llama-3.1-8B": (8_030_261_248, LLAMA_31_8B),
