@@ -20,6 +20,7 @@ from jaxlm.sampling import (
     HEAD_SIZE,
     apply_repetition_penalty,
     filter_logits,
+    first_argmax,
     min_p_mask,
     sample,
     top_k_mask,
@@ -433,6 +434,23 @@ def test_a_row_draws_the_same_alone_or_in_a_batch(V):
                 np.testing.assert_array_equal(alone[0], filtered[i])
     if V > HEAD_SIZE:
         assert len(kept(filtered[4:5])[0]) > HEAD_SIZE
+
+
+def test_first_argmax_is_numpys_argmax():
+    # numpy's argmax, like `jnp.argmax`, returns the first index of the maximum, or of the first
+    # NaN; rows of ties (logits rounded to a few values), infinities and NaNs.
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.standard_normal((12, 49152)), 1).astype(np.float32)
+    logits[1, [7, 30000]] = np.inf
+    logits[2] = -np.inf
+    logits[3, [5, 40000]] = np.nan
+    logits[4, 49151] = 100.0
+    logits[5, 0] = np.nan
+    logits[6] = 1.0
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    assert got.dtype == np.int32
+    assert got.tolist() == np.argmax(logits, axis=-1).tolist()
+    assert got[:7].tolist() == [got[0], 7, 0, 5, 49151, 0, 0]
 
 
 def test_nan_rows_return_their_first_nan_index():
