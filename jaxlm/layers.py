@@ -247,8 +247,8 @@ class MLP(nnx.Module):
     product: SmolLM2's float32 prefill of 128 tokens took 131-132 ms instead of 139-140 (one
     [3072, 576] product per layer instead of two [1536, 576]); float32 decode and bf16 prefill
     held, and bf16 decode at batch 1 ran 1-4% slower timed directly, within the noise of
-    `benchmarks/bench.py`. A prompt's chunk runs through the MLP in two halves of its tokens
-    (see `_halves_columns`).
+    `benchmarks/bench.py`. A chunk of 64 to 256 tokens runs through the MLP in two halves (see
+    `_halves_columns`).
     """
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
@@ -270,26 +270,29 @@ class MLP(nnx.Module):
         return jnp.concatenate(halves, axis=1).reshape(-1, *x.shape[1:])
 
 
-# `MLP` runs its products in two halves of the columns from this many columns on (see
+# `MLP` runs its products in two halves of the columns for this many columns (see
 # `_halves_columns`).
-_HALVED_COLUMNS = 64
+_HALVED_COLUMNS = range(64, 257)
 
 
 def _halves_columns(cols: int) -> bool:
     """Whether `MLP` runs `cols` columns (a prompt's chunk of tokens) as two halves, each
-    through all three products: on a CPU with several threads, from `_HALVED_COLUMNS` even
-    columns on (not on several devices, where the columns are sharded).
+    through all three products: on a CPU with several threads, for an even number of columns in
+    `_HALVED_COLUMNS` (not on several devices, where the columns are sharded).
 
-    Two halves ran faster than one product. SmolLM2's prefill, alternated in one process
-    against the whole chunk (two models of each, medians of the time to the first token):
-    float32, 128 tokens, 129.8 / 129.6 ms instead of 134.1 / 132.4; 8 x 128 tokens, 860 / 846
-    ms instead of 876 / 860; bfloat16, 128 tokens, 66.6 / 65.7 ms instead of 68.8 / 68.2. Four
-    or eight parts of a 128-token chunk ran slower than two (147 and 159 ms against 128.5), and
-    so did halving the gate and up product alone, which joins the halves of its large output
-    before the activation.
+    Two halves ran faster than one product at a few columns. SmolLM2's prefill, alternated in
+    one process against the whole chunk (two models of each, medians of the time to the first
+    token): float32, 128 tokens, 129.8 / 129.6 ms instead of 134.1 / 132.4; bfloat16, 128
+    tokens, 66.6 / 65.7 ms instead of 68.8 / 68.2, and 2 x 128 tokens, 113.7 / 110.8 instead of
+    116.9 / 117.8. With more columns the halves gained nothing or lost: float32 4 x 128 tokens,
+    490.8 / 496.2 ms against 493.6 / 493.5, and 8 x 128, 860 / 846 against 876 / 860; bfloat16
+    4 x 128, 196.2 / 192.0 against 185.6 / 183.0, and 8 x 128, 325 / 329 against 302 / 306.
+    Four or eight parts of a 128-token chunk ran slower than two (147 and 159 ms against
+    128.5), and so did halving the gate and up product alone, which joins the halves of its
+    large output before the activation.
     """
     threads_ok = _cpu_threads() > 1 and platform() == "cpu" and jax.device_count() == 1
-    return threads_ok and cols >= _HALVED_COLUMNS and cols % 2 == 0
+    return threads_ok and cols in _HALVED_COLUMNS and cols % 2 == 0
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
