@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    BASE,
     FAMILIES,
     LLAMA_31_8B,
     hf_logits,
@@ -193,25 +194,17 @@ def test_a_prompt_chunk_runs_the_mlp_in_two_halves(batch, tokens):
     # tokens goes through the three products of the MLP on its own.
     from jaxlm.layers import MLP
 
-    config = ModelConfig.from_hf_config(
-        dict(
-            model_type="llama",
-            vocab_size=8,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=1,
-        )
-    )
+    config = ModelConfig.from_hf_config(dict(BASE, model_type="llama"))
+    h, i = config.hidden_size, config.intermediate_size
     mlp = MLP(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    x = np.random.default_rng(0).standard_normal((64, batch, tokens), np.float32)
+    x = np.random.default_rng(0).standard_normal((h, batch, tokens), np.float32)
     graphdef, state = nnx.split(mlp)
     run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     cols = batch * tokens
     halves = len(os.sched_getaffinity(0)) > 1 and 64 <= cols <= 256 and cols % 2 == 0
     dots = re.findall(r"= f32\[([\d,]+)\]\S* dot\(", run.lower(state, x).compile().as_text())
     n = cols // 2 if halves else cols
-    assert sorted(dots) == sorted([f"192,{n}", f"64,{n}"] * (2 if halves else 1))
+    assert sorted(dots) == sorted([f"{2 * i},{n}", f"{h},{n}"] * (2 if halves else 1))
     weights = nnx.state(mlp, nnx.Param)
     w_gate, w_up = np.asarray(weights["gate_up_proj"]["weight"][...])
     w_down = np.asarray(weights["down_proj"]["weight"][...])
