@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxlm.bench import OtherLoad, text_table
 from jaxlm.layers import matmul
+from jaxlm.loading import checkpoint_tensors
 
 VARIANTS = (
     "w @ x",
@@ -54,26 +55,30 @@ VARIANTS = (
 ROW_MAJOR = ("x @ w.T", "x @ w, [in,out]")
 
 
+# The projections of a layer, by their names in `layer_weights` and in checkpoints.
+_PROJECTIONS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
 def layer_weights(model) -> tuple[list[dict], jax.Array]:
     """Each layer's projection weights (`[out, in]`) and the LM head `[vocab, hidden]`."""
-    layers = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        gate, up = mlp.gate_up_proj.weight[...]
-        qkv = attn.qkv_proj.weight[...]  # [kv_heads, (groups + 2) * head_dim, hidden]
-        queries, d, hidden = (
-            model.config.num_kv_groups * model.config.head_dim,
-            model.config.head_dim,
-            qkv.shape[-1],
-        )
-        q, k, v = (
-            qkv[:, a:b].reshape(-1, hidden)
-            for a, b in ((0, queries), (queries, queries + d), (queries + d, queries + 2 * d))
-        )
-        ws = {"q": q, "k": k, "v": v, "o": attn.o_proj.weight[...]}
-        layers.append({**ws, "gate": gate, "up": up, "down": mlp.down_proj.weight[...]})
-    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
-    return layers, head.weight[...]
+    tensors = checkpoint_tensors(model)
+    layers = [
+        {
+            k: jnp.asarray(tensors[f"model.layers.{i}.{name}.weight"])
+            for k, name in _PROJECTIONS.items()
+        }
+        for i in range(model.config.num_hidden_layers)
+    ]
+    head = "model.embed_tokens" if model.config.tie_word_embeddings else "lm_head"
+    return layers, jnp.asarray(tensors[f"{head}.weight"])
 
 
 def _variant_weights(variant: str, layers: list[dict], head: jax.Array):
