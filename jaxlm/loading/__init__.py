@@ -155,6 +155,7 @@ def build_model(
     # `disable=None` lets tqdm show the bar on a terminal only.
     disable = None if progress is None else not progress
     finite = {}
+    to_model, joined, all_finite = _loading_steps()
     for name, var in tqdm(
         variables.items(), desc="Loading weights", unit="tensor", disable=disable
     ):
@@ -169,15 +170,15 @@ def build_model(
             values = []
             for part in parts:
                 raw, decode = checkpoint.encoded(part)
-                value, finite[part] = _to_model(raw, decode=decode, dtype=dtype, bits=bits)
+                value, finite[part] = to_model(raw, decode=decode, dtype=dtype, bits=bits)
                 values.append(value)
-            value = _join(kind, values, expected)
+            value = values[0] if kind is None else joined(kind, values, expected)
         else:
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
             value = _place(kind, readers, shapes, expected, dtype, sharding)
             for part, piece in zip(parts, _split(kind, value, shapes), strict=True):
-                finite[part] = _all_finite(piece)
+                finite[part] = all_finite(piece)
             if bits:
                 value = jax.lax.bitcast_convert_type(value, jnp.uint16)
         var.set_value(value)
@@ -188,6 +189,19 @@ def build_model(
             if not ok:
                 raise LoadError(_not_finite(checkpoint, name, checkpoint.read(name), dtype))
     return nnx.merge(graphdef, state)
+
+
+def _loading_steps():
+    """The jitted steps that cast, join and check the tensors, new for each load: JAX keeps
+    the executables of a jitted function as long as the function lives, and no step after
+    loading uses these (SmolLM2 in bfloat16: 12 executables, 19 MiB resident). A later load
+    compiles them again, or reads them from the persistent compilation cache.
+    """
+    return (
+        jax.jit(functools.partial(_to_model), static_argnames=("decode", "dtype", "bits")),
+        jax.jit(functools.partial(_join), static_argnums=(0, 2)),
+        jax.jit(functools.partial(_all_finite)),
+    )
 
 
 def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
@@ -258,12 +272,10 @@ def _check_dims(config: ModelConfig, checkpoint, available: set[str], where) -> 
             )
 
 
-@jax.jit
 def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()
 
 
-@functools.partial(jax.jit, static_argnames=("decode", "dtype", "bits"))
 def _to_model(raw, *, decode, dtype, bits: bool) -> tuple[jax.Array, jax.Array]:
     """A checkpoint tensor decoded (`decode`, a GGUF `Dequantizer`, or `None`) and cast to
     `dtype` (as its `uint16` bits with `bits`), and whether it is all finite in `dtype`.
