@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,20 @@ def make_hf_model(path: Path, family: str, dtype=torch.float32, seed: int = 0, *
                 p.add_(0.1 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path, **save_kwargs)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def live_executables_after(load: str) -> list[str]:
+    """The names of the executables still alive after `load`, a call to `jaxlm.load` run in a
+    fresh process, so that no earlier load has compiled anything.
+    """
+    script = (
+        "import jax, jax.extend, jaxlm\n"
+        f"model, _ = {load}\n"
+        "live = jax.extend.backend.get_backend().live_executables()\n"
+        "print(*(e.hlo_modules()[0].name for e in live))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return out.stdout.split()
 
 
 def padded_batch(vocab: int, lengths: list[int], side: str, seed: int = 0):

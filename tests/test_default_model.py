@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import REFERENCE_DIR
+from conftest import REFERENCE_DIR, live_executables_after
 
 import jaxlm
 
@@ -68,14 +66,5 @@ def test_a_plan_leaves_no_free_heap_behind(smollm2):
 def test_loading_leaves_no_executables_behind(dtype):
     # Casting, joining and checking the tensors compiles executables that no step uses, which
     # JAX would keep, with their host memory, for the life of the process (SmolLM2 in bfloat16:
-    # 12 executables, 19 MiB). A fresh process, so that no earlier load has compiled them.
-    script = (
-        "import jax, jax.extend, jaxlm\n"
-        f"model, _ = jaxlm.load(dtype='{dtype}', progress=False)\n"
-        "live = jax.extend.backend.get_backend().live_executables()\n"
-        "print([e.hlo_modules()[0].name for e in live])\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
-    ).stdout
-    assert out.strip() == "[]"
+    # 12 executables, 19 MiB).
+    assert live_executables_after(f"jaxlm.load(dtype='{dtype}', progress=False)") == []

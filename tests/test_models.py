@@ -17,6 +17,7 @@ from conftest import (
     FAMILIES,
     LLAMA_31_8B,
     hf_logits,
+    live_executables_after,
     make_hf_model,
     padded_batch,
     rewrite_config,
@@ -87,6 +88,15 @@ def test_bf16_checkpoint_loaded_as_float32(tmp_path):
     hf = make_hf_model(tmp_path, "qwen3", dtype=torch.bfloat16)
     model, _ = jaxlm.load(tmp_path, dtype=jnp.float32)
     assert_parity(model, hf, "right")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loading_a_checkpoint_leaves_no_executables_behind(tmp_path, dtype):
+    # Reading tensors as JAX arrays (safetensors' `flax` frontend) compiled an identity for
+    # each tensor shape, which JAX kept for the life of the process.
+    make_hf_model(tmp_path, "llama_gqa4", dtype=getattr(torch, dtype))
+    load = f"jaxlm.load({str(tmp_path)!r}, dtype={dtype!r}, progress=False)"
+    assert live_executables_after(load) == []
 
 
 def test_bfloat16_model(tmp_path):

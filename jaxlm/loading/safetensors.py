@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
+import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxlm.errors import LoadError
@@ -65,7 +65,10 @@ class HFCheckpoint:
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: weights file named in the index is missing")
             try:
-                handle = self._handles[file] = safe_open(str(file), framework="flax")
+                # NumPy arrays (bfloat16 from `ml_dtypes`, which JAX imports) go to the
+                # loader's jitted cast as they are; the `flax` frontend's `jnp.array` compiled
+                # an identity for each tensor shape, which JAX kept for the life of the process.
+                handle = self._handles[file] = safe_open(str(file), framework="numpy")
             except SafetensorError as e:
                 raise LoadError(f"{file}: not a valid safetensors file ({e})") from None
         return handle
@@ -84,14 +87,14 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
 
-    def read(self, name: str) -> jax.Array:
+    def read(self, name: str) -> np.ndarray:
         file = self._files[name]
         try:
             return self._handle(file).get_tensor(name)
         except SafetensorError as e:
             raise LoadError(f"{file}: cannot read tensor `{name}` ({e})") from None
 
-    def encoded(self, name: str) -> tuple[jax.Array, None]:
+    def encoded(self, name: str) -> tuple[np.ndarray, None]:
         """Tensor `name` as stored, which needs no decoding (see `GGUFCheckpoint.encoded`)."""
         return self.read(name), None
 
