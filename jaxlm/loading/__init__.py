@@ -155,7 +155,7 @@ def build_model(
     # `disable=None` lets tqdm show the bar on a terminal only.
     disable = None if progress is None else not progress
     finite = {}
-    to_model, joined, all_finite = _loading_steps()
+    to_model, joined, placed = _loading_steps()
     for name, var in tqdm(
         variables.items(), desc="Loading weights", unit="tensor", disable=disable
     ):
@@ -177,10 +177,8 @@ def build_model(
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
             value = _place(kind, readers, shapes, expected, dtype, sharding)
-            for part, piece in zip(parts, _split(kind, value, shapes), strict=True):
-                finite[part] = all_finite(piece)
-            if bits:
-                value = jax.lax.bitcast_convert_type(value, jnp.uint16)
+            value, checks = placed(kind, value, tuple(shapes), bits=bits)
+            finite.update(zip(parts, checks, strict=True))
         var.set_value(value)
     # The checks ran as each tensor was placed; reading their results once at the end keeps
     # loading from waiting on the device tensor by tensor.
@@ -192,15 +190,16 @@ def build_model(
 
 
 def _loading_steps():
-    """The jitted steps that cast, join and check the tensors, new for each load: JAX keeps
-    the executables of a jitted function as long as the function lives, and no step after
-    loading uses these (SmolLM2 in bfloat16: 12 executables, 19 MiB resident). A later load
-    compiles them again, or reads them from the persistent compilation cache.
+    """The jitted steps that cast, join and check the tensors (`_to_model` and `_join`, or
+    `_placed` on a mesh), new for each load: JAX keeps the executables of a jitted function as
+    long as the function lives, and no step after loading uses these (SmolLM2 in bfloat16: 12
+    executables, 19 MiB resident). A later load compiles them again, or reads them from the
+    persistent compilation cache.
     """
     return (
         jax.jit(functools.partial(_to_model), static_argnames=("decode", "dtype", "bits")),
         jax.jit(functools.partial(_join), static_argnums=(0, 2)),
-        jax.jit(functools.partial(_all_finite)),
+        jax.jit(functools.partial(_placed), static_argnums=(0, 2), static_argnames="bits"),
     )
 
 
@@ -272,8 +271,12 @@ def _check_dims(config: ModelConfig, checkpoint, available: set[str], where) -> 
             )
 
 
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.isfinite(x).all()
+def _placed(kind: str | None, value, shapes, *, bits: bool) -> tuple[jax.Array, list]:
+    """A parameter placed on a mesh (see `_place`), as its `uint16` bits with `bits`, and
+    whether each of its checkpoint tensors (of `shapes`, joined as `kind`) is all finite.
+    """
+    finite = [jnp.isfinite(part).all() for part in _split(kind, value, shapes)]
+    return (jax.lax.bitcast_convert_type(value, jnp.uint16) if bits else value), finite
 
 
 def _to_model(raw, *, decode, dtype, bits: bool) -> tuple[jax.Array, jax.Array]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import make_hf_model
+from conftest import live_executables_after, make_hf_model
 from jax.sharding import PartitionSpec as P
 
 import jaxlm
@@ -63,6 +63,15 @@ def test_stream_on_a_mesh(tiny_chat):
     model, tokenizer = jaxlm.load(tiny_chat, mesh=(2, 2))
     pieces = list(jaxlm.stream(model, tokenizer, prompts, chunk_tokens=6, **kw))
     assert ["".join(row) for row in zip(*pieces, strict=True)] == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sharded_load_leaves_no_executables_behind(saved, dtype):
+    # Bitcasting a bfloat16 embedding to its bits and checking each joined tensor's parts
+    # ran as eager operations, whose executables JAX keeps for the life of the process.
+    path = str(saved["llama_gqa4"])
+    load = f"jaxlm.load({path!r}, dtype={dtype!r}, mesh=(1, 4), progress=False)"
+    assert live_executables_after(load) == []
 
 
 def test_shard_moves_a_loaded_model(saved, single):
