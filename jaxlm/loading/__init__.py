@@ -341,13 +341,11 @@ def _part_shapes(config: ModelConfig, kind: str | None, shape) -> list[tuple[int
     return [tuple(shape)]
 
 
-def _join(kind: str | None, values, shape) -> jax.Array:
-    """The parameter of `shape` from its checkpoint tensors' `values`: the one tensor, the
-    tensors `"stacked"` along a leading axis, or `"grouped"`, each reshaped to `[shape[0],
-    rows, ...]` and joined along its rows.
+def _join(kind: str, values, shape) -> jax.Array:
+    """The parameter of `shape` from its checkpoint tensors' `values`: the tensors `"stacked"`
+    along a leading axis, or `"grouped"`, each reshaped to `[shape[0], rows, ...]` and joined
+    along its rows. A parameter of one tensor (`kind` None) is that tensor, unjoined.
     """
-    if kind is None:
-        return values[0]
     if kind == "stacked":
         return jnp.stack(values)
     return jnp.concatenate([v.reshape(shape[0], -1, *v.shape[1:]) for v in values], axis=1)
