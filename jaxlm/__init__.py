@@ -9,13 +9,12 @@ Example:
 
 from jaxlm.config import ModelConfig
 from jaxlm.diagnostics import CompileCounter
-from jaxlm.engine import plan
 from jaxlm.errors import JaxlmError, LoadError, PlanError
 from jaxlm.generate import GenerationResult, chat, generate, stream
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.llama import LlamaForCausalLM
-from jaxlm.planner import Plan
+from jaxlm.planner import Plan, plan
 from jaxlm.sharding import ShardingError, shard
 from jaxlm.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""The jitted steps over donated scratch, and `plan`, which accounts for them before allocating.
+"""The jitted steps over donated scratch, shared by every plan of a model (see `jaxlm.planner`).
 
 Every step is `step(params, scratch, inputs) -> scratch (, outputs)` with `scratch` donated: XLA
 writes the caches and the decode state in place and returns the same buffers. The functions
@@ -29,19 +29,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm import sampling
-from jaxlm.errors import PlanError
 from jaxlm.memory import (
     Layout,
     ScratchSpec,
     declarations,
-    parse_bytes,
-    platform,
     set_path,
     write_cache,
 )
 from jaxlm.sharding import Partitioner, mesh_of, shard_bytes
 
-PAGE = 256
 DEFAULT_PREFILL_CHUNK = 512
 STOP_IDS_BUCKET = 8
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -261,100 +257,6 @@ def engine_of(model: nnx.Module) -> Engine:
 def weights_bytes(model: nnx.Module) -> int:
     """Bytes of parameters each device holds (all of them on a single device)."""
     return sum(shard_bytes(x) for x in jax.tree.leaves(nnx.state(model)))
-
-
-def plan(
-    model: nnx.Module,
-    *,
-    max_batch: int = 1,
-    max_seq_len: int | None = None,
-    budget: int | str | None = None,
-    prefill_chunk: int | None = None,
-    steps: tuple[str, ...] = ("generate", "decode"),
-):
-    """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing.
-
-    The plan compiles the generation steps for these shapes and reads XLA's memory analysis, so
-    `plan.total_bytes` is the whole bill: weights + scratch + XLA's temporaries. With `budget`
-    (bytes or a string like `"1.5GiB"`) and no `max_seq_len`, it picks the largest multiple of
-    256 tokens whose bill fits; with both, it raises `PlanError` if the bill exceeds the budget.
-    `steps` names the executables to compile and account for: `"generate"` (prefill of a
-    `prefill_chunk`-token prompt and the decode loop, in one call, as `generate` runs it),
-    `"start"` (the prefill and first token alone, as `stream` begins) and `"decode"` (the decode
-    loop alone, as `stream` runs it between chunks). Prompts shorter than `prefill_chunk` run
-    executables of their own bucket, compiled on first use; their temporaries are smaller.
-    Works on abstract models (`nnx.eval_shape`) too.
-
-    On a model sharded over a mesh (`jaxlm.load(..., mesh=...)` or `jaxlm.shard`), every slot
-    is split as it declares (the KV cache by batch row on `data` and by KV head on `model`),
-    the bill is per device (XLA's memory analysis of a partitioned step is per device), the
-    budget is per device, and `max_batch` must be a multiple of the `data` axis.
-
-    Example:
-        >>> plan = jaxlm.plan(model, max_batch=4, max_seq_len=2048)
-        >>> print(plan)                  # slots, bytes, XLA temporaries, the whole bill
-        >>> scratch = plan.allocate()    # the one allocation of scratch
-    """
-    from jaxlm.planner import Plan
-
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"`max_batch` must be a positive integer, got {max_batch!r}")
-    limit = parse_bytes(budget) if budget is not None else None
-    if max_seq_len is None and limit is None:
-        raise ValueError("give `max_seq_len`, `budget`, or both")
-    engine = engine_of(model)
-
-    def make(seq: int) -> Plan:
-        chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
-        return Plan.build(engine, model, max_batch, seq, chunk, limit, steps)
-
-    def floor(seq: int) -> int:
-        # Weights and scratch, known without compiling: a lower bound of the bill.
-        dims = {"batch": max_batch, "seq": seq}
-        layout = Layout.build(decls, dims, platform(), engine.partitioner)
-        return weights_bytes(model) + layout.device_nbytes
-
-    decls = engine.declarations(model)
-    if engine.partitioner is not None:
-        engine.partitioner.check_batch(max_batch)
-    if max_seq_len is not None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
-            raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
-        p = make(max_seq_len)
-        if limit is not None and p.total_bytes > limit:
-            raise PlanError(p.over_budget_message(limit, _fit(make, floor, limit, engine.config)))
-        return p
-    best = _fit(make, floor, limit, engine.config)
-    if best is None:
-        raise PlanError(make(PAGE).over_budget_message(limit, None))
-    return best
-
-
-def _fit(make, floor, limit: int, config) -> object | None:
-    """The plan with the most pages of 256 tokens whose bill fits `limit`, or None.
-
-    Weights and scratch grow linearly with the pages and are known without compiling, so a
-    cheap bisection bounds the answer; plans are compiled only from that bound down: the bound
-    itself first (XLA's temporaries are usually small), then a bisection below it.
-    """
-    lo, hi = 1, max(1, -(-config.max_position_embeddings // PAGE))
-    if floor(lo * PAGE) > limit:
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if floor(mid * PAGE) <= limit else (lo, mid - 1)
-    top = make(hi * PAGE)
-    if top.total_bytes <= limit:
-        return top
-    lo, hi, best = 1, hi - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        candidate = make(mid * PAGE)
-        if candidate.total_bytes <= limit:
-            best, lo = candidate, mid + 1
-        else:
-            hi = mid - 1
-    return best
 
 
 def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, ...]) -> dict:

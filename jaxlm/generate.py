@@ -27,9 +27,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxlm.engine import DEFAULT_PREFILL_CHUNK, SAMPLING_FIELDS, STOP_IDS_BUCKET, engine_of, plan
+from jaxlm.engine import DEFAULT_PREFILL_CHUNK, SAMPLING_FIELDS, STOP_IDS_BUCKET, engine_of
 from jaxlm.errors import PlanError
-from jaxlm.planner import Plan
+from jaxlm.planner import Plan, plan
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 16
