@@ -180,10 +180,10 @@ def _plan(args) -> None:
 def _without_ynnpack(dtype) -> None:
     """Turn off XLA:CPU's YNNPACK fusions for a float32 model, unless `XLA_FLAGS` says otherwise.
 
-    They build their runtime on each executable's first run: 0.3 s per SmolLM2 step, paid once
-    per command, while float32 batch-1 decode runs as fast without them. bfloat16 matmuls need
-    them: without, SmolLM2's 64 bf16 tokens took 7.7 s instead of 2.6. `jaxlm bench` keeps
-    them, as the library does. Takes effect only before JAX starts its CPU backend.
+    They build their runtime on each executable's first run, paid once per command, while
+    float32 batch-1 decode runs as fast without them; bfloat16 matmuls need them (see
+    `docs/performance.md`, section "YNNPACK fusions on XLA:CPU"). `jaxlm bench` keeps them, as
+    the library does. Takes effect only before JAX starts its CPU backend.
     """
     import numpy as np
 
