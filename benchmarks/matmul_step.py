@@ -3,7 +3,7 @@
 Every projection of every layer and the LM head run on `rows` activation rows with the model's
 own weights, in a jitted `fori_loop` of `--steps` steps, and nothing else (no attention, no
 sampling). The variants:
-- `w @ x`: through `jaxlm.layers.matmul`, as jaxlm runs them but for q/k/v and gate/up, which
+- `w @ x`: through `jaxlm.ops.matmul`, as jaxlm runs them but for q/k/v and gate/up, which
   run as separate products: the weight `[out, in]` (PyTorch's layout) as the left operand, the
   activations feature-major `[in, rows]`;
 - `w @ x one dot`: the same as one `dot_general` each, without `matmul`'s split of small
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.bench import OtherLoad, text_table
-from jaxlm.layers import matmul
+from jaxlm.ops import matmul
 from jaxlm.loading import checkpoint_tensors
 
 VARIANTS = (

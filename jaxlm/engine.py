@@ -34,8 +34,8 @@ from jaxlm.memory import (
     ScratchSpec,
     declarations,
     set_path,
-    write_cache,
 )
+from jaxlm.ops import write_cache
 from jaxlm.sharding import Partitioner, mesh_of, shard_bytes
 
 DEFAULT_PREFILL_CHUNK = 512

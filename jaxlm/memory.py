@@ -81,39 +81,6 @@ class ScratchSpec:
         )
 
 
-def platform() -> str:
-    """The platform jaxlm computes on (`"cpu"`, `"gpu"`, ...): its default device's."""
-    return jax.devices()[0].platform
-
-
-def storage_dtype(dtype: np.dtype, platform: str) -> np.dtype:
-    """The dtype a slot is stored in on `platform`.
-
-    XLA:CPU rewrites a bf16 `dynamic_update_slice` into a convert of the whole buffer to f32 and
-    back (47 ms per step for a 128 MiB cache, research Q1e); the same bits stored as uint16 are
-    updated in place. `write_cache` and `read_cache` convert at the edges, bit-exactly.
-    """
-    if platform == "cpu" and dtype == jnp.bfloat16:
-        return np.dtype(np.uint16)
-    return np.dtype(dtype)
-
-
-def write_cache(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
-    """Write `new` into `buf` at `index` along `axis` (in place when `buf` is donated)."""
-    if buf.dtype == jnp.uint16:
-        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
-    start = [0] * buf.ndim
-    start[axis] = index
-    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
-
-
-def read_cache(buf: jax.Array) -> jax.Array:
-    """The cache values of `buf`, undoing the uint16 storage of bfloat16."""
-    if buf.dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(buf, jnp.bfloat16)
-    return buf
-
-
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """A declared scratch slot bound to a plan: where it lives and what it costs."""
@@ -165,14 +132,15 @@ class Layout:
     dims: Mapping[str, int]
 
     @classmethod
-    def build(cls, decls, dims: Mapping[str, int], platform: str, partitioner=None) -> Layout:
-        """Bind `decls` to `dims`; with a `jaxlm.sharding.Partitioner`, split them on its mesh."""
+    def build(cls, decls, dims: Mapping[str, int], storage, partitioner=None) -> Layout:
+        """Bind `decls` to `dims`, each slot stored in `storage(dtype)` (`jaxlm.ops.storage_dtype`);
+        with a `jaxlm.sharding.Partitioner`, split them on its mesh."""
         slots = tuple(
             Slot(
                 path,
                 spec,
                 spec.bind(dims),
-                storage_dtype(spec.dtype, platform),
+                storage(spec.dtype),
                 partitioner.sharding(spec.axes) if partitioner else None,
             )
             for path, spec in decls

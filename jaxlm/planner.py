@@ -20,10 +20,10 @@ from jaxlm.memory import (
     Layout,
     format_bytes,
     parse_bytes,
-    platform,
     release_host_memory,
     resident_bytes,
 )
+from jaxlm.ops import platform, storage_dtype
 
 # `plan(budget=)` sizes `max_seq_len` in pages of this many tokens.
 PAGE = 256
@@ -84,7 +84,7 @@ class Plan:
     @classmethod
     def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps) -> Plan:
         dims = {"batch": max_batch, "seq": max_seq_len}
-        layout = Layout.build(engine.declarations(model), dims, platform(), engine.partitioner)
+        layout = Layout.build(engine.declarations(model), dims, storage_dtype, engine.partitioner)
         before = _settled_resident_bytes()
         compiled = compile_steps(engine, layout, chunk, steps)
         plan = cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
@@ -406,7 +406,7 @@ def plan(
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
         dims = {"batch": max_batch, "seq": seq}
-        layout = Layout.build(decls, dims, platform(), engine.partitioner)
+        layout = Layout.build(decls, dims, storage_dtype, engine.partitioner)
         return weights_bytes(model) + layout.device_nbytes
 
     decls = engine.declarations(model)

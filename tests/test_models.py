@@ -26,7 +26,7 @@ from flax import nnx
 
 import jaxlm
 from jaxlm import LlamaForCausalLM, ModelConfig
-from jaxlm.layers import matmul
+from jaxlm.ops import matmul
 
 LENGTHS = [9, 4, 6]
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import ops
 from jaxlm.config import ModelConfig
 from jaxlm.layers import (
     MLP,
@@ -30,11 +31,7 @@ from jaxlm.layers import (
     rope_cos_sin,
     shapes_only,
 )
-from jaxlm.memory import ScratchSpec, read_cache, write_cache
-
-_MASKED = -1e30
-# The smallest part of the KV cache that attention reads: see `Attention._attend_filled`.
-FILLED_BUCKET = 256
+from jaxlm.memory import ScratchSpec
 
 
 class Attention(nnx.Module):
@@ -46,14 +43,10 @@ class Attention(nnx.Module):
         o_bias = config.attention_bias and config.model_type != "qwen2"
         # Queries, keys and values as one product, `qkv_proj.weight` `[kv_heads, (groups + 2) *
         # head_dim, hidden]`: each KV head's block holds the rows of its query heads, its key and
-        # its value (checkpoints' `q_proj`, `k_proj` and `v_proj`, see
-        # `jaxlm.loading.GROUPED`). A decode step then starts the threads of one product instead
-        # of three: SmolLM2's float32 decode, alternated in one process, 44.5 / 42.8 / 42.9
-        # tok/s against 40.3 / 39.9 / 41.2 with three (all with `matmul`'s 8 parts), bfloat16
-        # 59.2 against 57.1. At batch 8 the three products, which XLA runs side by side, did
-        # better: bfloat16 312 / 305 tok/s against 282 / 280, float32 154 against 151. On a
-        # mesh, a block stays on one device: the `model` axis splits the KV heads with their
-        # query heads, or (where it does not divide the KV heads) replicates the projection.
+        # its value (checkpoints' `q_proj`, `k_proj` and `v_proj`, see `jaxlm.loading.GROUPED`;
+        # `docs/performance.md`, "Queries, keys and values as one product"). On a mesh a block
+        # stays on one device: `model` splits the KV heads with their query heads, or (where it
+        # does not divide them) replicates the projection.
         self.qkv_proj = Linear(
             h,
             (config.num_kv_groups + 2) * d,
@@ -67,29 +60,11 @@ class Attention(nnx.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
-        # The KV cache, declared here and allocated by the planner: keys as
-        # [batch * kv_heads, head_dim, seq] and values as [batch * kv_heads, seq, head_dim],
-        # the layouts in which both attention products are plain batched matmuls (reading
-        # keys stored as [.., seq, head_dim] ran 1.4x slower). Folding the batch into the
-        # heads keeps a batch of one from being a unit dimension that XLA drops with a bitcast
-        # between the cache update and the matmul: with [1, kv_heads, ...], XLA:CPU duplicated
-        # the update fusion and copied each cache twice per step (a cache of 2048 slots cost
-        # 94 MiB of temporaries). On a mesh, the folded dimension splits over `data` x `model`:
-        # device (i, j) holds the (i * model + j)-th block of (row, KV head) pairs, which are
-        # the rows of data shard i and the heads of model shard j when `model` is 1 or each
-        # data shard holds one row. Attention runs where the cache lies either way; only the
-        # new tokens' keys, values and queries move between devices.
-        cache_axes = (("batch", "kv_heads"), None, None)
-        self.k_cache = ScratchSpec(
-            (("batch", nkv), d, "seq"), dtype, axes=cache_axes, doc="attention keys"
-        )
-        self.v_cache = ScratchSpec(
-            (("batch", nkv), "seq", d), dtype, axes=cache_axes, doc="attention values"
-        )
+        # The KV cache, declared here and allocated by the planner, in `jaxlm.ops`'s layouts.
+        self.k_cache, self.v_cache = ops.kv_cache_specs(nkv, d, dtype)
 
     def _project(self, x, cos, sin):
-        # x [hidden, B, T] -> q [heads, D, B, T], keys [B * kv_heads, D, T] and values
-        # [B * kv_heads, T, D] (the cache layouts).
+        # x [hidden, B, T] -> q [heads, D, B, T], and keys and values in the cache layouts.
         _, b, t = x.shape
         c = self.config
         qkv = self.qkv_proj(x)  # [kv_heads, (groups + 2) * D, B, T]
@@ -101,75 +76,17 @@ class Attention(nnx.Module):
         # Keys and values are rounded to the cache dtype on both paths, so a cached forward
         # equals a full one in bfloat16 too.
         dtype = self.k_cache.dtype
-        k, v = apply_rope(k, cos, sin).astype(dtype), v.astype(dtype)
-        k = k.transpose(2, 0, 1, 3).reshape(b * c.num_key_value_heads, c.head_dim, t)
-        v = v.transpose(2, 0, 3, 1).reshape(b * c.num_key_value_heads, t, c.head_dim)
+        k, v = ops.to_cache_layout(apply_rope(k, cos, sin).astype(dtype), v.astype(dtype))
         return apply_rope(q, cos, sin), k, v
 
-    def _attend(self, q, k, v, mask):
-        # q [heads, D, B, T]; k [B * kv_heads, D, S]; v [B * kv_heads, S, D]; mask [B, T, S].
-        # Returns the heads' outputs [heads * D, B, T], before `o_proj`.
-        _, d, b, t = q.shape
-        c = self.config
-        nkv, g = c.num_key_value_heads, c.num_kv_groups
-        q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b * nkv, g * t, d)
-        # A chunk of several tokens multiplies in the cache's dtype, accumulating in float32:
-        # bf16 runs natively on CPUs with bf16 instructions (SmolLM2's prefill of 8 x 128
-        # tokens: 2030 -> 2300 tok/s). A decode step converts the cache to float32 instead;
-        # its bf16 products ran slower (217 -> 153 tok/s at batch 8).
-        dtype = k.dtype if t > 1 else jnp.float32
-        f32 = jnp.float32
-        scores = jnp.einsum("nqd,nds->nqs", q.astype(dtype), k, preferred_element_type=f32)
-        scores = scores * (d**-0.5)
-        mask = jnp.broadcast_to(mask[:, None, None], (b, nkv, g, t, mask.shape[-1]))
-        scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("nqs,nsd->nqd", probs, v.astype(dtype), preferred_element_type=f32)
-        out = out.reshape(b, nkv, g, t, d)
-        return out.transpose(1, 2, 4, 0, 3).reshape(c.num_attention_heads * d, b, t)
-
-    def _attend_filled(self, q, k, v, mask, end):
-        """`_attend` over the cache's first slots only: the smallest of its sizes (256 slots
-        doubling up to the whole cache, and a chunk of several tokens' own length) that holds
-        the `end` slots in use. `k` and `v` are the caches as stored (`jaxlm.memory.read_cache`
-        reads them).
-
-        Slots from `end` on are masked for every query, so leaving them out changes nothing
-        but the work: a 128-token prompt in a plan of 4096 slots decoded 1.5x slower when
-        attention read the whole cache, and a prompt's first chunk of 128 tokens in a plan of
-        256 slots prefilled at 993 instead of 920-935 tok/s over its own slots (cold compile
-        4.2-4.5 -> 4.6 s).
-        """
-        seq, t = k.shape[-1], q.shape[-1]
-        sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
-        if 1 < t < (sizes or [seq])[0]:
-            # The first chunk of a prompt fills only its own slots.
-            sizes.insert(0, t)
-        if not sizes:
-            return self._attend(q, read_cache(k), read_cache(v), mask)
-        sizes.append(seq)
-
-        def attend(size, q, k, v, mask):
-            # The caches enter in their storage dtype and are read inside the branch: bf16
-            # caches stored as uint16 and read before the branch made XLA copy each cache
-            # twice per step, to hold both the updated bits and their bf16 view.
-            k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
-            return self._attend(q, k, v, mask[..., :size])
-
-        branch = jnp.searchsorted(jnp.asarray(sizes), end)
-        branches = [functools.partial(attend, size) for size in sizes]
-        return jax.lax.switch(branch, branches, q, k, v, mask)
-
     def __call__(self, x, cos, sin, mask):
-        return self.o_proj(self._attend(*self._project(x, cos, sin), mask))
+        return self.o_proj(ops.attend(*self._project(x, cos, sin), mask))
 
     def forward_cached(self, x, cos, sin, mask, index, scratch):
         q, k, v = self._project(x, cos, sin)
-        k_cache = write_cache(scratch["k_cache"], k, index, axis=2)
-        v_cache = write_cache(scratch["v_cache"], v, index, axis=1)
-        end = index + x.shape[-1]
-        out = self._attend_filled(q, k_cache, v_cache, mask, end)
-        return self.o_proj(out), {"k_cache": k_cache, "v_cache": v_cache}
+        cache = ops.write_kv(scratch, k, v, index)
+        out = ops.attend_cached(q, cache["k_cache"], cache["v_cache"], mask, index + x.shape[-1])
+        return self.o_proj(out), cache
 
 
 class DecoderLayer(nnx.Module):
@@ -193,8 +110,7 @@ class DecoderLayer(nnx.Module):
 
 
 # A jitted layer: the layers share one signature, so a step traces and lowers one layer, not
-# all of them (SmolLM2's prefill: tracing 0.29 s to 0.13 s, lowering 0.25 s to 0.12 s). XLA
-# inlines the calls, and the compiled step is the same.
+# all of them; XLA inlines the calls, and the compiled step is the same.
 @functools.partial(jax.jit, static_argnums=0)
 def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
     return nnx.merge(graphdef, state).forward_cached(x, cos, sin, mask, index, scratch)
@@ -228,7 +144,7 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, input_ids, positions, attention_mask):
         """The final hidden states `[hidden, batch, seq]`: activations flow feature-major (see
-        `jaxlm.layers.matmul`)."""
+        `jaxlm.layers`)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, positions)
         mask = self._mask(positions, positions, attention_mask)
@@ -237,17 +153,13 @@ class LlamaModel(nnx.Module):
         return self.norm(x)
 
     def _rope_once(self, positions):
-        # XLA:CPU fuses `cos` and `sin` into each consumer, the queries and keys of every layer,
-        # and so computed them 60 times a step for SmolLM2 (2.3 ms of an 80 ms decode step at
-        # batch 8, 8 ms of a 140 ms prefill of 128 tokens). A conditional's results are
-        # materialised, so they are computed once here, under a predicate that XLA cannot fold
-        # (it removes optimization barriers, and a prompt of one chunk starts at the constant
-        # slot 0). A chunk that is padding in every row, masked everywhere, is not rotated.
+        # The angles are computed once for all layers (`jaxlm.ops.computed_once`); a chunk that
+        # is padding in every row, masked everywhere, is not rotated.
         def identity(positions):
             shape = (self.config.head_dim, *positions.shape)
             return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
-        return jax.lax.cond(
+        return ops.computed_once(
             jnp.max(positions) >= 0,
             functools.partial(rope_cos_sin, self.config),
             identity,
@@ -315,13 +227,8 @@ class LlamaForCausalLM(nnx.Module):
     def _logits(self, x):
         # x [hidden, ...] -> [..., vocab].
         if self.config.tie_word_embeddings:
-            logits = self.model.embed_tokens.attend(x)
-        else:
-            logits = self.lm_head(x)
-        # The barrier keeps XLA from making the transposed product a product of the transposed
-        # operands, with a 16-bit weight on the right and the activations transposed on the
-        # left, which XLA:CPU's YNNPACK declines and its own dot cannot run.
-        return jnp.moveaxis(jax.lax.optimization_barrier(logits), 0, -1)
+            return ops.rows_last(self.model.embed_tokens.attend(x))
+        return ops.rows_last(self.lm_head(x))
 
     def __call__(self, input_ids, positions=None, attention_mask=None) -> jax.Array:
         """Logits `[batch, seq, vocab]` (float32) of a causal forward over `input_ids`.

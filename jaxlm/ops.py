@@ -1,0 +1,284 @@
+"""The products and cache accesses whose best lowering depends on the backend.
+
+The model and the layers say what to compute (`matmul`, `attend_cached`, `write_cache`, ...);
+this module decides how, and is the only place that asks which backend runs it. Each variant
+names its backend and the reason in a sentence; the measurements behind them are in
+`docs/performance.md`, by section.
+
+Conventions: weights are `[out, in]` and activations feature-major, `[features, ...]`, so a
+product is `w @ x` with the weight as its left operand (see `docs/performance.md`, "Operand
+order"). Products accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.memory import ScratchSpec
+
+_MASKED = -1e30
+
+
+def platform() -> str:
+    """The platform jaxlm computes on (`"cpu"`, `"gpu"`, ...): its default device's."""
+    return jax.devices()[0].platform
+
+
+@functools.cache
+def _cpu_threads() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _multithreaded_cpu() -> bool:
+    """One CPU device with several threads: where XLA:CPU's own thread split is the bottleneck
+    (on several devices, the operands are sharded instead)."""
+    return platform() == "cpu" and _cpu_threads() > 1 and jax.device_count() == 1
+
+
+# Products.
+
+# XLA:CPU runs a bfloat16 product natively (YNNPACK) from this many columns of `x` on.
+_NATIVE_BF16_COLUMNS = 2
+# A one-column product on CPU runs as a batched dot of this many parts of its matrix.
+_GEMV_PARTS = 8
+
+
+def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`w @ x` for `w` `[..., out, in]` and feature-major `x` `[in, ...]`: `[..., out, ...]`,
+    accumulated in float32. Leading dimensions of `w` stack matrices that multiply the same `x`
+    as one product.
+
+    Variants:
+    - CPU, bfloat16 weights, one column: padded to two columns. With one, XLA:CPU computes in
+      float32 from a converted copy of the weight, which it hoists out of the decode loop: a
+      float32 copy of every weight (see `docs/performance.md`, "bfloat16 at batch 1").
+    - CPU with several threads, one column, rows divisible by 8: a batched dot of 8 parts of
+      the matrix, which the threads share; XLA:CPU gives a small matrix-vector product to one
+      thread (see `docs/performance.md`, "Matrix-vector products in parts").
+    - Otherwise one `dot_general`.
+    """
+    cols = math.prod(x.shape[1:])
+    if platform() == "cpu" and w.dtype == jnp.bfloat16 and cols < _NATIVE_BF16_COLUMNS:
+        return _padded_to_native_columns(w, x, cols)
+    if cols == 1 and _multithreaded_cpu() and (w.size // w.shape[-1]) % _GEMV_PARTS == 0:
+        return _in_parts(w, x, _GEMV_PARTS)
+    dims = (((w.ndim - 1,), (0,)), ((), ()))
+    return jax.lax.dot_general(w, x.astype(w.dtype), dims, preferred_element_type=jnp.float32)
+
+
+def _padded_to_native_columns(w: jax.Array, x: jax.Array, cols: int) -> jax.Array:
+    flat = jnp.pad(x.reshape(x.shape[0], cols), ((0, 0), (0, _NATIVE_BF16_COLUMNS - cols)))
+    return matmul(w, flat)[..., :cols].reshape(*w.shape[:-1], *x.shape[1:])
+
+
+def _in_parts(w: jax.Array, x: jax.Array, parts: int) -> jax.Array:
+    # `w` viewed as `[parts, rows / parts, in]` (a bitcast): one matrix-vector product per part,
+    # in a batched dot whose batch XLA:CPU spreads over its threads.
+    k = w.shape[-1]
+    xs = jnp.broadcast_to(x.reshape(1, k, 1).astype(w.dtype), (parts, k, 1))
+    dims = (((2,), (1,)), ((0,), (0,)))
+    y = jax.lax.dot_general(w.reshape(parts, -1, k), xs, dims, preferred_element_type=jnp.float32)
+    return y.reshape(*w.shape[:-1], *x.shape[1:])
+
+
+# On CPU, a chunk of this many columns runs through the MLP in two halves.
+_HALVED_COLUMNS = range(64, 257)
+
+
+def mlp_column_parts(cols: int) -> int:
+    """In how many parts of its columns an MLP runs `cols` columns (a chunk of tokens).
+
+    CPU with several threads, an even number of columns from 64 to 256: two halves, each
+    through all three products, ran faster than the whole chunk; with more columns, or more
+    parts, they did not (see `docs/performance.md`, "The MLP in two halves").
+    """
+    return 2 if _multithreaded_cpu() and cols in _HALVED_COLUMNS and cols % 2 == 0 else 1
+
+
+def rows_last(y: jax.Array) -> jax.Array:
+    """A feature-major product's result `[features, ...]` as `[..., features]`.
+
+    The barrier keeps XLA from making the transposed product a product of the transposed
+    operands, with a 16-bit weight on the right and the activations transposed on the left,
+    which XLA:CPU's YNNPACK declines and its own dot cannot run.
+    """
+    return jnp.moveaxis(jax.lax.optimization_barrier(y), 0, -1)
+
+
+def computed_once(predicate: jax.Array, fn, otherwise, *operands):
+    """`fn(*operands)` where `predicate` holds, else `otherwise(*operands)`, materialised once.
+
+    XLA:CPU fuses a cheap producer (the rotary angles' `cos` and `sin`) into each of its
+    consumers and so computes it again for every layer; a conditional's results are
+    materialised. `predicate` must be one XLA cannot fold: it removes optimization barriers
+    (see `docs/performance.md`, "Rotary angles once").
+    """
+    return jax.lax.cond(predicate, fn, otherwise, *operands)
+
+
+# Embedding tables.
+
+
+def embedding_storage(weight: jax.Array, tied: bool) -> jax.Array:
+    """An embedding table as stored: on CPU, an untied 16-bit table as its `uint16` bits.
+
+    XLA:CPU gathers 16-bit float rows from a float32 copy of the whole table, hoisted out of
+    the decode loop, and a bitcast of the whole table is hoisted as a copy too; rows of the
+    bits gather in place and exactly. A tied table keeps its floats for the LM head's product.
+    """
+    if weight.dtype.itemsize == 2 and not tied and platform() == "cpu":
+        return jax.lax.bitcast_convert_type(weight, jnp.uint16)
+    return weight
+
+
+def embedding_rows(weight: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` `[...]` of a table stored by `embedding_storage` for `dtype`, as float32
+    `[..., features]`. On CPU a tied 16-bit table gathers from its bits too: XLA then copies the
+    bits, half the bytes of a float32 copy."""
+    dtype = jnp.dtype(dtype)
+    if weight.dtype == jnp.uint16 or (dtype.itemsize == 2 and platform() == "cpu"):
+        bits = jax.lax.bitcast_convert_type(weight, jnp.uint16)
+        rows = jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), dtype)
+        return rows.astype(jnp.float32)
+    return jnp.take(weight, ids, axis=0).astype(jnp.float32)
+
+
+# The KV cache.
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a scratch slot of `dtype` is stored in.
+
+    XLA:CPU rewrites a bfloat16 `dynamic_update_slice` into a convert of the whole buffer to
+    float32 and back; the same bits stored as uint16 update in place (see
+    `docs/performance.md`, "bfloat16 caches as uint16"). `write_cache` and `read_cache`
+    convert at the edges, bit-exactly.
+    """
+    if platform() == "cpu" and dtype == jnp.bfloat16:
+        return np.dtype(np.uint16)
+    return np.dtype(dtype)
+
+
+def write_cache(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """Write `new` into `buf` at `index` along `axis` (in place when `buf` is donated)."""
+    if buf.dtype == jnp.uint16:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    start = [0] * buf.ndim
+    start[axis] = index
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+
+
+def read_cache(buf: jax.Array) -> jax.Array:
+    """The cache values of `buf`, undoing the uint16 storage of bfloat16."""
+    if buf.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(buf, jnp.bfloat16)
+    return buf
+
+
+def kv_cache_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
+    """The declared K and V caches of one attention layer.
+
+    Keys as `[batch * kv_heads, head_dim, seq]` and values as `[batch * kv_heads, seq,
+    head_dim]`: the layouts in which both attention products are plain batched matmuls.
+    Folding the batch into the heads keeps a batch of one from being a unit dimension that XLA
+    drops with a bitcast between the cache update and the product, which made XLA:CPU copy each
+    cache twice per step (see `docs/performance.md`, "KV cache layout").
+
+    On a mesh, the folded dimension splits over `data` x `model`: device (i, j) holds the
+    (i * model + j)-th block of (row, KV head) pairs, which are the rows of data shard i and the
+    heads of model shard j when `model` is 1 or each data shard holds one row. Attention runs
+    where the cache lies either way; only the new tokens' keys, values and queries move.
+    """
+    axes = (("batch", "kv_heads"), None, None)
+    rows = ("batch", num_kv_heads)
+    return (
+        ScratchSpec((rows, head_dim, "seq"), dtype, axes=axes, doc="attention keys"),
+        ScratchSpec((rows, "seq", head_dim), dtype, axes=axes, doc="attention values"),
+    )
+
+
+def to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values `[kv_heads, head_dim, B, T]` in the layouts of `kv_cache_specs`."""
+    nkv, d, b, t = k.shape
+    return (
+        k.transpose(2, 0, 1, 3).reshape(b * nkv, d, t),
+        v.transpose(2, 0, 3, 1).reshape(b * nkv, t, d),
+    )
+
+
+def write_kv(scratch: dict, k: jax.Array, v: jax.Array, index: jax.Array) -> dict:
+    """`scratch`'s `k_cache` and `v_cache` with `k` and `v` (cache layouts) written at slot
+    `index`."""
+    return {
+        "k_cache": write_cache(scratch["k_cache"], k, index, axis=2),
+        "v_cache": write_cache(scratch["v_cache"], v, index, axis=1),
+    }
+
+
+# Attention.
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled dot-product attention of queries `q` `[heads, D, B, T]` over keys `k`
+    `[B * kv_heads, D, S]` and values `v` `[B * kv_heads, S, D]` (the cache layouts, as values)
+    where `mask` `[B, T, S]` holds; returns the heads' outputs `[heads * D, B, T]`.
+
+    A chunk of several tokens multiplies in the cache's dtype (bfloat16 runs natively on CPUs
+    with bf16 instructions); one token converts the cache to float32, whose products ran faster
+    there (see `docs/performance.md`, "Attention products' dtype").
+    """
+    heads, d, b, t = q.shape
+    nkv = k.shape[0] // b
+    g = heads // nkv
+    q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b * nkv, g * t, d)
+    dtype = k.dtype if t > 1 else jnp.float32
+    f32 = jnp.float32
+    scores = jnp.einsum("nqd,nds->nqs", q.astype(dtype), k, preferred_element_type=f32)
+    scores = scores * (d**-0.5)
+    mask = jnp.broadcast_to(mask[:, None, None], (b, nkv, g, t, mask.shape[-1]))
+    scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("nqs,nsd->nqd", probs, v.astype(dtype), preferred_element_type=f32)
+    out = out.reshape(b, nkv, g, t, d)
+    return out.transpose(1, 2, 4, 0, 3).reshape(heads * d, b, t)
+
+
+# The smallest part of the KV cache that `attend_cached` reads.
+FILLED_BUCKET = 256
+
+
+def attend_cached(q, k_cache, v_cache, mask, end):
+    """`attend` over the caches as stored, reading only their first slots: the smallest of
+    their sizes (256 slots doubling up to the whole cache, and a chunk of several tokens' own
+    length) that holds the `end` slots in use.
+
+    Slots from `end` on are masked for every query, so leaving them out changes nothing but
+    the work: a plan sized for long requests attends over short ones about as fast as a small
+    plan (see `docs/performance.md`, "Attention over the filled slots").
+    """
+    seq, t = k_cache.shape[-1], q.shape[-1]
+    sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
+    if 1 < t < (sizes or [seq])[0]:
+        # The first chunk of a prompt fills only its own slots.
+        sizes.insert(0, t)
+    if not sizes:
+        return attend(q, read_cache(k_cache), read_cache(v_cache), mask)
+    sizes.append(seq)
+
+    def branch(size, q, k, v, mask):
+        # The caches enter in their storage dtype and are read inside the branch: bfloat16
+        # caches stored as uint16 and read before it made XLA copy each cache twice per step.
+        k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
+        return attend(q, k, v, mask[..., :size])
+
+    index = jnp.searchsorted(jnp.asarray(sizes), end)
+    branches = [functools.partial(branch, size) for size in sizes]
+    return jax.lax.switch(index, branches, q, k_cache, v_cache, mask)
