@@ -3,8 +3,8 @@
 Every step is `step(params, scratch, inputs) -> scratch (, outputs)` with `scratch` donated: XLA
 writes the caches and the decode state in place and returns the same buffers. The functions
 close over the model's graph definition and merge it with the parameters inside the trace,
-which costs about 16 us per call (`nnx.jit` in graph mode costs about 300 us and copies every
-variable; research Q4c).
+far cheaper per call than `nnx.jit` in graph mode, which also copies every variable (see
+`docs/performance.md`, "Tracing and dispatch").
 
 The generation loop keeps its state in the `"decode"` part of the scratch:
 - `tokens[b, s]` is the token at cache slot `s` of row `b`. Prompts are left-padded to a shared
@@ -183,7 +183,7 @@ class Engine:
         """A new jitted function of `step` (`"generate"`, `"start"` or `"decode"`).
 
         Its traces are cached on it, so a plan that compiles through its own function and
-        keeps only the executables lets the traces go (about 35 MiB for SmolLM2's `generate`).
+        keeps only the executables lets the traces go (see `docs/performance.md`, "Host memory").
         """
         fn, static = _STEP_FUNCTIONS[step]
         return self._jit(fn, static_argnames=static)
@@ -283,8 +283,8 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
     for name in steps:
         args, kwargs = arguments[name]
         lowered[name] = engine.jitted(name).lower(*args, **kwargs)
-    # XLA compiles, or loads from the persistent cache, without holding the GIL: loading
-    # SmolLM2's `start` and `decode` side by side took 1.2 s instead of 1.6 s.
+    # XLA compiles, or loads from the persistent cache, without holding the GIL, so the steps
+    # compile side by side (see `docs/performance.md`, "Tracing and dispatch").
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         futures = {name: pool.submit(step.compile) for name, step in lowered.items()}
     return {name: future.result() for name, future in futures.items()}

@@ -29,7 +29,8 @@ def shapes_only():
     """Within it, layers create zeros instead of drawing random weights.
 
     For abstract models (`nnx.eval_shape`), whose values are never computed: tracing the random
-    initialisers took most of the time of building a model abstractly.
+    initialisers took most of the time of building a model abstractly (see
+    `docs/performance.md`, "Tracing and dispatch").
     """
     token = _SHAPES_ONLY.set(True)
     try:

@@ -7,13 +7,10 @@ declares exactly the same scratch. `jaxlm.plan` collects the specs, binds the di
 the slots out, compiles the step functions and reads XLA's memory analysis, so the whole bill
 (weights + scratch + XLA temporaries) is known before any scratch exists.
 
-Layout: one array per slot. Measured on XLA:CPU (`shared/research/jax-on-cpu`, Q5), one array
-per layer, a flat arena per dtype and stacked `[layers, ...]` arrays carried through `scan` all
-update in place with the same decode time once bf16 caches are stored as uint16 bits and each
-step writes before it reads. Stacking only pays under `scan`, and `scan` over stacked weights
-decoded 1.5x slower here (XLA copies each layer's weight slice before the dot), so the layers
-are unrolled and the arena would add offsets without saving a byte or a copy. Separate arrays
-also shard independently (per-slot `axes`) and show up one by one in the plan.
+Layout: one array per slot. An arena or stacked arrays updated in place no faster, and stacking
+pays only under `scan`, which runs slower over stacked weights on XLA:CPU (see
+`docs/performance.md`, "Scratch layout: one array per slot"). Separate arrays also shard
+independently (per-slot `axes`) and show up one by one in the plan.
 """
 
 from __future__ import annotations
@@ -169,7 +166,7 @@ class Layout:
     @functools.cached_property
     def _zeros(self):
         # One executable fills every slot (`jnp.zeros` slot by slot compiled two per shape),
-        # traced once per layout: building it for each call took 70 ms of every `allocate`.
+        # traced once per layout rather than at every `allocate`.
         sharded = any(s.sharding is not None for s in self.slots)
         shardings = {"out_shardings": self.tree(lambda s: s.sharding)} if sharded else {}
         return jax.jit(lambda: self.tree(lambda s: jnp.zeros(s.shape, s.dtype)), **shardings)
@@ -254,9 +251,8 @@ def resident_bytes() -> int | None:
 def release_host_memory() -> bool:
     """Hand the C heap's free pages back to the operating system; whether it could.
 
-    Loading and compiling free hundreds of MiB in small blocks, which glibc keeps mapped for
-    reuse: after loading SmolLM2, 150 MiB of the process's resident memory was such free heap,
-    and compiling its steps left 170 MiB more. `malloc_trim` returns every free page. Under C
+    Loading and compiling free much memory in small blocks, which glibc keeps mapped for reuse
+    (see `docs/performance.md`, "Host memory"); `malloc_trim` returns every free page. Under C
     libraries without it, this does nothing and returns False.
     """
     trim = _malloc_trim()

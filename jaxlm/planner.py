@@ -48,8 +48,9 @@ class Plan:
     included). On a mesh (`mesh` is not None), every byte count is per device.
 
     `executables_host_bytes` is the host memory the compiled steps hold: XLA reports no size
-    for it on the CPU (`generated_code_size_in_bytes` is 0), yet SmolLM2's `generate` holds
-    about 60 MiB of instructions, buffer assignments and kernels, so the plan measures it as
+    for it on the CPU (`generated_code_size_in_bytes` is 0), yet a step holds its instructions,
+    buffer assignments and kernels (see `docs/performance.md`, "Host memory"), so the plan
+    measures it as
     the growth of the process's resident memory across compiling, which also counts the traces
     JAX keeps of the steps and, in a process's first plan, the compiler's one-time state (None
     outside Linux; other threads allocating meanwhile count too). On the CPU,
@@ -89,8 +90,8 @@ class Plan:
         compiled = compile_steps(engine, layout, chunk, steps)
         plan = cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
         # The steps were traced by jitted functions of their own, which die in reference
-        # cycles; collecting them frees their traces (about 35 MiB for SmolLM2's `generate`).
-        # Reading XLA's memory analysis frees 38 MiB of heap, which the settling returns too.
+        # cycles; collecting them frees their traces. Reading XLA's memory analysis frees heap,
+        # which the settling returns too.
         after = _settled_resident_bytes()
         if before is not None and after is not None:
             plan.executables_host_bytes = max(0, after - before)
@@ -177,8 +178,8 @@ class Plan:
         """Note that a step of the plan has run; after the first, hand back the heap it freed.
 
         The first run of an XLA:CPU executable allocates and frees working memory beyond the
-        temporaries of its memory analysis (40 MiB for SmolLM2's `generate`), which glibc
-        keeps mapped; later runs need little of it.
+        temporaries of its memory analysis, which glibc keeps mapped; later runs need little
+        of it (see `docs/performance.md`, "Host memory").
         """
         if not self._ran:
             self._ran = True

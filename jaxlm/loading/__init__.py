@@ -192,9 +192,9 @@ def build_model(
 def _loading_steps():
     """The jitted steps that cast, join and check the tensors (`_to_model` and `_join`, or
     `_placed` on a mesh), new for each load: JAX keeps the executables of a jitted function as
-    long as the function lives, and no step after loading uses these (SmolLM2 in bfloat16: 12
-    executables, 19 MiB resident). A later load compiles them again, or reads them from the
-    persistent compilation cache.
+    long as the function lives, and no step after loading uses these (see
+    `docs/performance.md`, "Host memory"). A later load compiles them again, or reads them from
+    the persistent compilation cache.
     """
     return (
         jax.jit(functools.partial(_to_model), static_argnames=("decode", "dtype", "bits")),

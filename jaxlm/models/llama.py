@@ -110,7 +110,8 @@ class DecoderLayer(nnx.Module):
 
 
 # A jitted layer: the layers share one signature, so a step traces and lowers one layer, not
-# all of them; XLA inlines the calls, and the compiled step is the same.
+# all of them; XLA inlines the calls, and the compiled step is the same (see
+# `docs/performance.md`, "Tracing and dispatch").
 @functools.partial(jax.jit, static_argnums=0)
 def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
     return nnx.merge(graphdef, state).forward_cached(x, cos, sin, mask, index, scratch)
