@@ -1,0 +1,163 @@
+"""A Hugging Face style config from a GGUF file's metadata, rope scaling included."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from jaxlm.errors import LoadError
+from jaxlm.loading.gguf.reader import _float, _Metadata
+from jaxlm.loading.gguf.tensors import _ROPE_FREQS, _hf_shape
+
+# Hugging Face's `model_type` for each `general.architecture` jaxlm reads.
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp's converter permutes the Q and K rows of these architectures only.
+_PERMUTED_QK = frozenset({"llama"})
+
+# The rope frequency factors of Llama 3.1 and 3.2 that `rope_freqs.weight` can hold, as
+# (`low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`).
+_LLAMA3_ROPE_CANDIDATES = ((1.0, 4.0, 8192),)
+
+
+def _config(meta: _Metadata, arch: str, tensors: dict, tokens: list | None) -> dict:
+    path = meta.path
+    hidden = meta.int_value(f"{arch}.embedding_length")
+    heads = meta.int_value(f"{arch}.attention.head_count")
+    kv_heads = meta.int_value(f"{arch}.attention.head_count_kv", heads)
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise LoadError(
+            f"{path}: `{arch}.attention.head_count` ({heads}) is not a positive multiple of "
+            f"`{arch}.attention.head_count_kv` ({kv_heads})"
+        )
+    head_dim = meta.int_value(f"{arch}.attention.key_length", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise LoadError(
+                f"{path}: `{arch}.embedding_length` ({hidden}) is not a multiple of "
+                f"`{arch}.attention.head_count` ({heads})"
+            )
+        head_dim = hidden // heads
+    value_dim = meta.int_value(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise LoadError(
+            f"{path}: `{arch}.attention.value_length` ({value_dim}) differs from the key length "
+            f"({head_dim}), unsupported"
+        )
+    rope_dim = meta.int_value(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise LoadError(
+            f"{path}: `{arch}.rope.dimension_count` ({rope_dim}) is not the head size "
+            f"({head_dim}); partial rotary embeddings are unsupported"
+        )
+
+    if f"{arch}.vocab_size" in meta:
+        vocab_size = meta.int_value(f"{arch}.vocab_size")
+    elif tokens:
+        vocab_size = len(tokens)
+    elif "token_embd.weight" in tensors:
+        vocab_size = _hf_shape(tensors["token_embd.weight"])[0]
+    else:
+        raise LoadError(f"{path}: no `token_embd.weight` tensor")
+    if tokens is not None and len(tokens) > vocab_size:
+        raise LoadError(
+            f"{path}: `tokenizer.ggml.tokens` has {len(tokens)} tokens, more than the vocabulary "
+            f"size {vocab_size}"
+        )
+
+    rope_theta = meta.float_value(f"{arch}.rope.freq_base", 10000.0)
+    config = {
+        "architectures": [_HF_CLASSES[arch]],
+        "model_type": _ARCHITECTURES[arch],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": meta.int_value(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.int_value(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": meta.float_value(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(meta, arch, tensors, rope_theta, head_dim),
+        "max_position_embeddings": meta.int_value(f"{arch}.context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.int_value("tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": meta.int_value("tokenizer.ggml.eos_token_id", None),
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": False,
+    }
+    return config
+
+
+def _rope_scaling(meta: _Metadata, arch: str, tensors: dict, theta: float, head_dim: int):
+    path = meta.path
+    if _ROPE_FREQS in tensors:
+        return _llama3_rope_scaling(path, tensors[_ROPE_FREQS], theta, head_dim)
+    kind = meta.str_value(f"{arch}.rope.scaling.type", None)
+    factor = meta.float_value(f"{arch}.rope.scaling.factor", None)
+    if kind is None:
+        # Files from before `rope.scaling.type` existed give a linear factor this way.
+        factor = meta.float_value(f"{arch}.rope.scale_linear", None)
+        kind = "none" if factor is None or factor == 1.0 else "linear"
+    if kind == "none":
+        return None
+    if factor is None:
+        raise LoadError(f"{path}: `{arch}.rope.scaling.type` is `{kind}` but no factor is given")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": meta.int_value(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+        }
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = meta.float_value(f"{arch}.rope.scaling.{key}", None)
+            if value is not None:
+                scaling[hf_key] = value
+        return scaling
+    raise LoadError(f"{path}: unsupported rope scaling `{kind}` (`{arch}.rope.scaling.type`)")
+
+
+def _llama3_rope_scaling(path: pathlib.Path, tensor, theta: float, head_dim: int) -> dict:
+    """The Hugging Face `llama3` rope scaling whose frequency factors `rope_freqs.weight` holds.
+
+    llama.cpp's converter bakes Llama 3.1's rope scaling into per-frequency factors; the
+    parameters are recovered by recomputing the factors for the ones Llama 3.x uses.
+    """
+    unsupported = LoadError(
+        f"{path}: tensor `{_ROPE_FREQS}` holds rope frequency factors that match no Llama 3 "
+        "rope scaling jaxlm supports"
+    )
+    if tensor.tensor_type != GGMLQuantizationType.F32 or _hf_shape(tensor) != (head_dim // 2,):
+        raise unsupported
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    factor = float(factors.max())
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / freqs
+    for low, high, context in _LLAMA3_ROPE_CANDIDATES:
+        smooth = (context / wavelen - low) / (high - low)
+        expected = np.where(
+            wavelen < context / high,
+            1.0,
+            np.where(wavelen > context / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
+        if np.allclose(factors, expected, rtol=1e-5, atol=0):
+            return {
+                "rope_type": "llama3",
+                "factor": _float(factor),
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": context,
+            }
+    raise unsupported
