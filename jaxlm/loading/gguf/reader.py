@@ -141,11 +141,11 @@ class _Reader(gguf.GGUFReader):
 
     The reader parses every metadata value through a slice of `np.memmap`, and each slice of a
     memmap runs `np.memmap.__array_finalize__`, which makes parsing the many strings of a
-    tokenizer several times slower (see `docs/performance.md`, section GGUF metadata parsing).
+    tokenizer several times slower (see `docs/performance.md`, "GGUF metadata parsing").
     The view reads the same mapped bytes.
 
     Arrays are parsed in one pass instead of element by element, which is faster again (see
-    `docs/performance.md`, section GGUF metadata parsing). An array of numbers becomes one part,
+    `docs/performance.md`, "GGUF metadata parsing"). An array of numbers becomes one part,
     and an array of strings one part per string, without the length parts, which nothing reads.
     `ReaderField.contents` returns the same values either way.
     """

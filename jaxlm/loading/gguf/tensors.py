@@ -70,7 +70,7 @@ class Dequantizer:
 
     Traced inside the jitted function that casts and places a tensor, it replaces `gguf.quants`'
     numpy code, slower than XLA even with the transposes counted, and gives the same values bit
-    for bit (see `docs/performance.md`, section GGUF dequantisation). `heads` undoes llama.cpp's
+    for bit (see `docs/performance.md`, "GGUF dequantisation"). `heads` undoes llama.cpp's
     Q/K row permutation. Equal dequantizers compare equal, so tensors of one kind and shape share an
     executable.
     """
@@ -94,7 +94,7 @@ class Dequantizer:
         A quantised value is a small integer times a float16 scale, plus a float16 offset in
         Q4_1: below 1e7 in magnitude, so finite in float32 and bfloat16 exactly when
         the scales are. XLA:CPU's reductions are slow, and checking every decoded weight takes a
-        large share of a load (see `docs/performance.md`, section GGUF finite check).
+        large share of a load (see `docs/performance.md`, "GGUF finite check").
         """
         if self.kind not in _BLOCK_BYTES or jnp.dtype(dtype) == jnp.float16:
             return None
