@@ -6,7 +6,7 @@ Usage: python benchmarks/bench.py [--batch 1,4,8] [--prompt-len 32,128,512] [--n
 
 import sys
 
-from jaxlm.bench import main
+from jaxlm.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

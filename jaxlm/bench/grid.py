@@ -69,13 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark from the command line; the same as `jaxlm bench`."""
-    from jaxlm.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
 # The cells.
 
 
