@@ -182,8 +182,8 @@ def _without_ynnpack(dtype) -> None:
 
     They build their runtime on each executable's first run, paid once per command, while
     float32 batch-1 decode runs as fast without them; bfloat16 matmuls need them (see
-    `docs/performance.md`, section "YNNPACK fusions on XLA:CPU"). `jaxlm bench` keeps them, as
-    the library does. Takes effect only before JAX starts its CPU backend.
+    `docs/performance.md`, "YNNPACK fusions in the command line"). `jaxlm bench` keeps them,
+    as the library does. Takes effect only before JAX starts its CPU backend.
     """
     import numpy as np
 

@@ -165,7 +165,7 @@ def run(args) -> dict:
 
     # The baseline is the process once JAX is up: its CPU backend started and one executable
     # compiled and run, whose compiler and runtime pages every JAX program pays before a model
-    # (see `docs/performance.md`, section "Bench RSS baseline").
+    # (see `docs/performance.md`, "Bench RSS").
     jax.jit(lambda x: x + 1)(jnp.zeros(())).block_until_ready()
     baseline_rss = current_rss()
     if args.repeats < 1:
@@ -173,7 +173,7 @@ def run(args) -> dict:
     path = Path(args.model) if args.model else default_model_path()
     t = time.perf_counter()
     # The prompts are random ids: the tokenizer is not kept, as it would add to the peak RSS
-    # (see `docs/performance.md`, section "Bench peak RSS").
+    # (see `docs/performance.md`, "Bench RSS").
     model = jaxlm.load(path, dtype=args.dtype, progress=False, mesh=args.mesh)[0]
     load_s = time.perf_counter() - t
     loaded_rss, loading_peak = current_rss(), peak_rss()
@@ -305,7 +305,7 @@ def _run_cell(cell, repeats: int, model, runner: JaxlmRunner, others: dict, base
     # The start from the persistent cache is timed once the cell has run on the cold plan:
     # timed before, it left what the cold plan's compiling kept resident under the plan that
     # the cell then ran on, as in no process that compiles once (see `docs/performance.md`,
-    # section "Bench peak RSS").
+    # "Bench RSS").
     del plan
     _drop_plans(runner)
     cached_info, plan = _first_call(runner, cell, prompts, "cached")
