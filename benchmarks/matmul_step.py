@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.bench import OtherLoad, text_table
-from jaxlm.ops import matmul
 from jaxlm.loading import checkpoint_tensors
+from jaxlm.ops import matmul
 
 VARIANTS = (
     "w @ x",
