@@ -317,10 +317,16 @@ def _cut(tokenizer, ids: list[int], stop: tuple[str, ...]) -> tuple[str | None, 
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
-    """`x` on the host, also when it spans the devices of several hosts."""
-    if x.is_fully_addressable:
+    """`x` on the host, also when it spans the devices of several processes.
+
+    Each process holds a replicated array whole. An array split across processes (the rows of
+    the decode state on a `data` axis that spans them) is gathered from all of them, whole
+    (`tiled=True`) rather than stacked by process: every process fetches the same arrays in the
+    same order, as every process runs the same requests.
+    """
+    if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
-    return multihost_utils.process_allgather(x)
+    return multihost_utils.process_allgather(x, tiled=True)
 
 
 def _read_rows(scratch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
