@@ -430,24 +430,37 @@ def _fit(make, floor, limit: int, config) -> object | None:
     """The plan with the most pages of 256 tokens whose bill fits `limit`, or None.
 
     Weights and scratch grow linearly with the pages and are known without compiling, so a
-    cheap bisection bounds the answer; plans are compiled only from that bound down: the bound
-    itself first (XLA's temporaries are usually small), then a bisection below it.
+    cheap bisection bounds the answer: `top`, the most pages whose weights and scratch fit.
+    Plans are compiled only below that bound. If `top`'s bill is over, the search starts from
+    a guess that XLA's temporaries grow in proportion to the pages, and from there steps up
+    while plans fit and bisects once one does not: usually two or three compilations, where a
+    bisection from one page would take one per halving.
     """
-    lo, hi = 1, max(1, -(-config.max_position_embeddings // PAGE))
-    if floor(lo * PAGE) > limit:
+
+    def most_pages(hi: int, extra) -> int:
+        # The most pages in [1, hi] whose weights and scratch plus `extra(pages)` fit, or 0.
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if floor(mid * PAGE) + extra(mid) <= limit else (lo, mid - 1)
+        return lo
+
+    top = most_pages(max(1, -(-config.max_position_embeddings // PAGE)), lambda pages: 0)
+    if top < 1:
         return None
+    best = make(top * PAGE)
+    if best.total_bytes <= limit:
+        return best
+    temporaries = best.total_bytes - floor(top * PAGE)
+    # `lo` pages fit (0: none known to), more than `hi` do not.
+    lo, hi, best, step = 0, top - 1, None, 1
+    probe = max(1, most_pages(hi, lambda pages: temporaries * pages // top))
     while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if floor(mid * PAGE) <= limit else (lo, mid - 1)
-    top = make(hi * PAGE)
-    if top.total_bytes <= limit:
-        return top
-    lo, hi, best = 1, hi - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        candidate = make(mid * PAGE)
+        candidate = make(probe * PAGE)
         if candidate.total_bytes <= limit:
-            best, lo = candidate, mid + 1
+            best, lo = candidate, probe
+            probe, step = min(hi, probe + step), 2 * step
         else:
-            hi = mid - 1
+            hi = probe - 1
+            probe = (lo + hi + 1) // 2
     return best
