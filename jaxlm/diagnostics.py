@@ -16,7 +16,8 @@ class CompileCounter:
     """Counts XLA compilations in this process while it is active.
 
     `count` is the number of executables XLA compiled, `cache_hits` the number loaded from
-    JAX's persistent compilation cache instead, and `seconds` the time spent on both.
+    JAX's persistent compilation cache instead, `builds` both together (every executable made,
+    which is 0 only when every call ran one already held), and `seconds` the time spent.
 
     Example:
         >>> with jaxlm.CompileCounter() as compiles:

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+
+# One persistent compilation cache for the whole run, the processes it starts (notebooks, the
+# command line, the multi-device run) included: steps that compile to the same executable, for
+# each of the many models the tests load, are compiled once and loaded after that. A test that
+# checks that nothing compiles counts `CompileCounter.builds`, loads from this cache included.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlm-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # `multidevice` needs 4 devices, which XLA fixes at start-up: `test_sharding.py` runs it in a
 # process of its own.
