@@ -27,9 +27,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxlm.engine import DEFAULT_PREFILL_CHUNK, SAMPLING_FIELDS, STOP_IDS_BUCKET, engine_of
+from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
 from jaxlm.errors import PlanError
 from jaxlm.planner import Plan, plan
+from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_request
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 16
@@ -55,145 +56,7 @@ class GenerationResult:
     prompt_token_ids: list[list[int]]
 
 
-@dataclasses.dataclass
-class _Request:
-    prompts: list[list[int]]
-    single: bool
-    max_new_tokens: int
-    sampling: dict[str, np.ndarray]
-    stop_ids: np.ndarray
-    stop: tuple[str, ...]
-    seed: int
-
-
-def _per_row(name: str, value, n: int, default, dtype, check, limit: str) -> np.ndarray:
-    values = [value] * n if value is None or np.isscalar(value) else list(value)
-    if len(values) != n:
-        raise ValueError(f"`{name}` has {len(values)} values for {n} prompts")
-    out = []
-    for v in values:
-        v = default if v is None else v
-        if isinstance(v, bool) or not isinstance(v, int | float | np.number):
-            raise ValueError(f"`{name}` must be a number, got {v!r}")
-        try:
-            ok = check(v)
-        except OverflowError:
-            # An integer beyond float range, which no check accepts.
-            ok = False
-        if not ok:
-            raise ValueError(f"`{name}` {limit}, got {v!r}")
-        out.append(v)
-    return np.asarray(out, dtype)
-
-
-# Per sampling parameter: the value that turns it off, its dtype, its check and the limit a
-# failed check names.
-_CHECKS = {
-    "temperature": (
-        0.0,
-        np.float32,
-        lambda v: math.isfinite(v) and v >= 0,
-        "must be a finite number >= 0",
-    ),
-    "top_k": (
-        0,
-        np.int32,
-        lambda v: float(v).is_integer() and 0 <= v < 2**31,
-        "must be an integer >= 0 (0 or None: off)",
-    ),
-    "top_p": (1.0, np.float32, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "min_p": (0.0, np.float32, lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "repetition_penalty": (
-        1.0,
-        np.float32,
-        lambda v: math.isfinite(v) and v > 0,
-        "must be a finite number > 0",
-    ),
-}
-
-
-def _prompt_ids(tokenizer, prompts) -> tuple[list[list[int]], bool]:
-    if isinstance(prompts, bytes | bytearray) or not isinstance(
-        prompts, str | Sequence | np.ndarray
-    ):
-        raise ValueError(
-            "`prompts` must be a string, a list of token ids or a list of such, "
-            f"got {type(prompts).__name__}"
-        )
-    single = isinstance(prompts, str) or (
-        isinstance(prompts, Sequence | np.ndarray) and len(prompts) > 0 and _is_int(prompts[0])
-    )
-    items = [prompts] if single else list(prompts)
-    if not items:
-        raise ValueError("`prompts` is empty")
-    out = []
-    for i, p in enumerate(items):
-        if isinstance(p, str):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            ids = tokenizer.encode(p)
-        elif isinstance(p, Sequence | np.ndarray) and all(_is_int(t) for t in p):
-            ids = [int(t) for t in p]
-        else:
-            raise ValueError(f"prompt {i} must be a string or a list of token ids")
-        if not ids:
-            raise ValueError(f"prompt {i} is empty (no tokens)")
-        out.append(ids)
-    return out, single
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
-def _request(model, tokenizer, prompts, **kw) -> _Request:
-    ids, single = _prompt_ids(tokenizer, prompts)
-    vocab = model.config.vocab_size
-    for i, p in enumerate(ids):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad}")
-    max_new = kw["max_new_tokens"]
-    if not _is_int(max_new) or max_new < 1:
-        raise ValueError(f"`max_new_tokens` must be an integer >= 1, got {max_new!r}")
-    n = len(ids)
-    sampling = {name: _per_row(name, kw[name], n, *_CHECKS[name]) for name in SAMPLING_FIELDS}
-    stop_ids = kw["stop_token_ids"]
-    if stop_ids is None:
-        stop_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
-        stop_ids = stop_ids or model.config.eos_token_id
-    if not isinstance(stop_ids, Sequence | np.ndarray) or not all(_is_int(t) for t in stop_ids):
-        raise ValueError(f"`stop_token_ids` must be a list of token ids, got {stop_ids!r}")
-    stop_ids = [int(t) for t in stop_ids]
-    if any(not 0 <= t < vocab for t in stop_ids):
-        raise ValueError(f"`stop_token_ids` must be in [0, {vocab}), got {stop_ids}")
-    size = STOP_IDS_BUCKET * max(1, math.ceil(len(stop_ids) / STOP_IDS_BUCKET))
-    padded = np.full((size,), -1, np.int32)
-    padded[: len(stop_ids)] = stop_ids
-    stop = kw["stop"]
-    if stop is not None and not isinstance(stop, str | Sequence):
-        raise ValueError(f"`stop` must be a non-empty string or a list of them, got {stop!r}")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError("`stop` must be a non-empty string or a list of them")
-    if stop and tokenizer is None:
-        raise ValueError("`stop` strings need a tokenizer")
-    seed = kw["seed"]
-    if not _is_int(seed):
-        raise ValueError(f"`seed` must be an integer, got {seed!r}")
-    longest, context = max(len(p) for p in ids), model.config.max_position_embeddings
-    if kw["plan"] is None and longest + max_new > context:
-        # Without a plan, the request would size its own cache: refuse it before planning.
-        raise ValueError(
-            f"prompt of {longest} tokens + `max_new_tokens={max_new}` exceeds the model's "
-            f"`max_position_embeddings={context}`; pass a `plan` to go beyond it"
-        )
-    return _Request(ids, single, max_new, sampling, padded, stop, int(seed))
-
-
-def _shapes(req: _Request, given: Plan | None, data: int = 1) -> tuple[int, int, int, int]:
+def _shapes(req: Request, given: Plan | None, data: int = 1) -> tuple[int, int, int, int]:
     """(batch rows, prompt length, cache length, prefill chunk) for a request; without a plan,
     the rows are a multiple of `data`, the devices that split the batch.
     """
@@ -265,19 +128,19 @@ def request_plan(
     """The plan `generate` (or, with `streaming`, `stream`) makes and caches for `batch` prompts
     of at most `prompt_len` tokens and `max_new_tokens`.
     """
-    req = _Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
+    req = Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
     rows, p, seq, chunk = _shapes(req, None, _data_devices(model))
     return _plan_for(model, rows, p, seq, chunk, None, _STEPS[streaming])
 
 
-def _prepare(model, req: _Request, given: Plan | None, streaming: bool) -> tuple[Plan, int, dict]:
+def _prepare(model, req: Request, given: Plan | None, streaming: bool) -> tuple[Plan, int, dict]:
     """The plan of a request, its prefill chunk, and its padded inputs."""
     batch, p, seq, chunk = _shapes(req, given, _data_devices(model))
     the_plan = _plan_for(model, batch, p, seq, chunk, given, _STEPS[streaming])
     return the_plan, chunk, _inputs(req, batch, p)
 
 
-def _inputs(req: _Request, batch: int, p: int) -> dict:
+def _inputs(req: Request, batch: int, p: int) -> dict:
     n = len(req.prompts)
     prompt = np.zeros((batch, p), np.int32)
     lengths = np.ones((batch,), np.int32)
@@ -291,29 +154,6 @@ def _inputs(req: _Request, batch: int, p: int) -> dict:
         axis=1,
     )
     return dict(prompt=prompt, lengths=lengths, rng=rng, params=params, stop_ids=req.stop_ids)
-
-
-def _find_stop(text: str, stop: tuple[str, ...]) -> int:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else -1
-
-
-def _cut(tokenizer, ids: list[int], stop: tuple[str, ...]) -> tuple[str | None, list[int], bool]:
-    """Text and ids before the first stop string; ids keep only tokens wholly before it."""
-    if tokenizer is None:
-        return None, ids, False
-    text = tokenizer.decode(ids)
-    at = _find_stop(text, stop) if stop else -1
-    if at < 0:
-        return text, ids, False
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(tokenizer.decode(ids[:mid])) <= at:
-            lo = mid
-        else:
-            hi = mid - 1
-    return text[:at], ids[:lo], True
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
@@ -368,7 +208,7 @@ def generate(
         >>> out.texts[0], out.finish_reasons[0]
         (' Paris.\\n\\nThe answer is: 2', 'length')
     """
-    req = _request(
+    req = parse_request(
         model,
         tokenizer,
         prompts,
@@ -401,47 +241,11 @@ def generate(
     texts, token_ids, reasons = [], [], []
     for i in range(len(req.prompts)):
         ids = tokens[i, start : start + counts[i]].tolist()
-        text, ids, stopped = _cut(tokenizer, ids, req.stop)
+        text, ids, stopped = cut_at_stop(tokenizer, ids, req.stop)
         texts.append(text)
         token_ids.append(ids)
         reasons.append("stop" if stopped or done[i] else "length")
     return GenerationResult(texts, token_ids, reasons, req.prompts)
-
-
-class _Detokenizer:
-    """Text of a growing list of ids, released only when it is final.
-
-    Text ending in an incomplete UTF-8 sequence (U+FFFD) or in what could begin a stop string
-    is held back until the next tokens settle it.
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.sent = 0
-        self.finished = False
-
-    def update(self, ids: list[int], final: bool) -> str:
-        if self.finished:
-            return ""
-        text = self.tokenizer.decode(ids)
-        at = _find_stop(text, self.stop)
-        if at >= 0:
-            self.finished = True
-            end = at
-        elif final:
-            self.finished = True
-            end = len(text)
-        else:
-            end = len(text.rstrip("\ufffd"))
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end = min(end, len(text[:end]) - k)
-                        break
-        piece = text[self.sent : max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return piece
 
 
 def stream(
@@ -473,9 +277,9 @@ def stream(
     """
     if tokenizer is None:
         raise ValueError("`stream` yields text and needs a tokenizer")
-    if not _is_int(chunk_tokens) or chunk_tokens < 1:
+    if not is_int(chunk_tokens) or chunk_tokens < 1:
         raise ValueError(f"`chunk_tokens` must be an integer >= 1, got {chunk_tokens!r}")
-    req = _request(
+    req = parse_request(
         model,
         tokenizer,
         prompts,
@@ -493,11 +297,11 @@ def stream(
     return _stream(model, tokenizer, req, plan, chunk_tokens)
 
 
-def _stream(model, tokenizer, req: _Request, given: Plan | None, chunk_tokens: int):
+def _stream(model, tokenizer, req: Request, given: Plan | None, chunk_tokens: int):
     the_plan, chunk, x = _prepare(model, req, given, streaming=True)
     engine = the_plan.engine
     n = len(req.prompts)
-    detok = [_Detokenizer(tokenizer, req.stop) for _ in range(n)]
+    detok = [Detokenizer(tokenizer, req.stop) for _ in range(n)]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
     # pool when the stream ends, and is dropped if the stream is abandoned or fails.
     scratch = the_plan.step("start", x["prompt"].shape[1], chunk)(

@@ -11,7 +11,8 @@ import transformers
 from conftest import CHATML, make_hf_model
 
 import jaxlm
-from jaxlm.generate import _Detokenizer, request_plan
+from jaxlm.generate import request_plan
+from jaxlm.requests import Detokenizer
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 
@@ -210,7 +211,7 @@ def test_stream_plan_accounts_for_every_step_it_runs(chat_model):
 def test_detokenizer_holds_back_partial_characters(chat_model):
     _, tok = chat_model
     ids = tok.encode("café 東京 😀 done")
-    detok = _Detokenizer(tok, stop=("done",))
+    detok = Detokenizer(tok, stop=("done",))
     pieces = [detok.update(ids[: i + 1], final=False) for i in range(len(ids))]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == "café 東京 😀 "

@@ -33,8 +33,9 @@ from safetensors.torch import load_file, save_file
 import jaxlm
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
-from jaxlm.generate import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, _Detokenizer, bucket
+from jaxlm.generate import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jaxlm.loading import checkpoint_tensors
+from jaxlm.requests import Detokenizer
 
 FUZZ = settings(
     max_examples=100,
@@ -911,7 +912,7 @@ def test_byte_tokens_decode_to_replacement_characters(chat):
         token_ids = [ids[b] for b in raw]
         expected = bytes(raw).decode("utf-8", errors="replace")
         assert tok.decode(token_ids) == expected
-        detok, pieces, n = _Detokenizer(tok, ()), [], 0
+        detok, pieces, n = Detokenizer(tok, ()), [], 0
         for cut in cuts:
             n = min(n + cut, len(token_ids))
             pieces.append(detok.update(token_ids[:n], final=False))
