@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,10 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def load_benchmark(name: str):
-    """Import `benchmarks/<name>.py`, which is a script folder, not a package."""
+    """Import `benchmarks/<name>.py`, which is a script folder, not a package; as when a script
+    runs, its folder is on the path, so the scripts import each other."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -132,3 +137,73 @@ def test_matmul_step_variants_compute_the_same(tiny_tied, tmp_path, capsys):
     h, q, kv, mlp, vocab = 48, 48, 16, 112, 96
     assert report["weight_bytes"] == 4 * (2 * (2 * h * q + 2 * h * kv + 3 * h * mlp) + h * vocab)
     assert "fused qkv, gate/up" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cols", [1, 3])
+@pytest.mark.parametrize("variant", ["int8 rows", "int8 blocks"])
+def test_int8_step_products_equal_numpy(variant, cols):
+    int8_step = load_benchmark("int8_step")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 72), np.float32)
+    x = rng.standard_normal((72, cols), np.float32)
+
+    def quantize(a, axis):
+        scale = np.abs(a).max(axis=axis, keepdims=True) / 127
+        return np.round(a / np.where(scale == 0, 1, scale)).astype(np.int64), scale
+
+    if variant == "int8 rows":
+        (wq, ws), (xq, xs) = quantize(w, 1), quantize(x, 0)
+        expected = (wq @ xq) * ws * xs
+    else:
+        # Blocks of 32 along the input, the input padded with zeros to 96.
+        wb = np.pad(w, ((0, 0), (0, 24))).reshape(40, 3, 32)
+        xb = np.pad(x, ((0, 24), (0, 0))).reshape(3, 32, cols)
+        (wq, ws), (xq, xs) = quantize(wb, 2), quantize(xb, 1)
+        expected = (np.einsum("obk,bkc->obc", wq, xq) * ws * xs[:, 0][None]).sum(axis=1)
+    stored = int8_step.quantize_weight(jnp.asarray(w), variant)
+    got = jax.jit(lambda w, x: int8_step.product(w, x, variant))(stored, jnp.asarray(x))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_step_runs_every_variant(tiny_tied, tmp_path):
+    int8_step = load_benchmark("int8_step")
+    out = tmp_path / "int8.json"
+    argv = ["--model", str(tiny_tied), "--rows", "1,2", "--steps", "2", "--rounds", "1"]
+    assert int8_step.main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert {(r["variant"], r["rows"]) for r in results} == {
+        (v, m) for v in int8_step.VARIANTS for m in (1, 2)
+    }
+    weights = {r["variant"]: r["weight_bytes"] for r in results}
+    assert weights["int8 rows"] < weights["bfloat16"] < weights["float32"]
+
+
+def test_int8_quality_rounds_as_numpy_does(tiny_chat, tmp_path):
+    int8_quality = load_benchmark("int8_quality")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 24, 40), np.float32)
+    x = rng.standard_normal((40, 1, 3), np.float32)
+
+    def rounded(a, axis):
+        scale = np.abs(a).max(axis=axis, keepdims=True) / 127
+        return np.round(a / scale) * scale
+
+    # Blocks of 32 along the 40 features: one of 32 and one of 8 (padded with zeros).
+    w_blocks = np.concatenate([rounded(w[..., :32], -1), rounded(w[..., 32:], -1)], axis=-1)
+    x_flat = x.reshape(40, 3)
+    x_blocks = np.concatenate([rounded(x_flat[:32], 0), rounded(x_flat[32:], 0)], axis=0)
+    expected = np.einsum("sok,kc->soc", w_blocks, x_blocks).reshape(2, 24, 1, 3)
+    got = int8_quality.simulated("blocks of 32")(jnp.asarray(w), jnp.asarray(x))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # A rotation is orthogonal, so it changes nothing before the rounding.
+    r = int8_quality.rotation(128)
+    np.testing.assert_allclose(r @ r.T, np.eye(128), atol=1e-6)
+
+    out = tmp_path / "quality.json"
+    assert int8_quality.main(["--model", str(tiny_chat), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["scheme"] for r in report["results"]] == list(int8_quality.SCHEMES)
+    for r in report["results"]:
+        assert r["mean_kld"] >= 0 and 0 <= r["top1"] <= 1
+    same = rng.standard_normal((5, 7))
+    assert int8_quality.divergence(same, same) == (0.0, 1.0)
