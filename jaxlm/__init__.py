@@ -14,6 +14,7 @@ from jaxlm.generate import GenerationResult, chat, generate, stream
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.llama import LlamaForCausalLM
+from jaxlm.models.olmo2 import Olmo2ForCausalLM
 from jaxlm.planner import Plan, plan
 from jaxlm.sharding import ShardingError, shard
 from jaxlm.tokenizer import Tokenizer
@@ -25,6 +26,7 @@ __all__ = [
     "LlamaForCausalLM",
     "LoadError",
     "ModelConfig",
+    "Olmo2ForCausalLM",
     "Plan",
     "PlanError",
     "ScratchSpec",

@@ -160,11 +160,12 @@ def _chat(args) -> None:
 def _plan(args) -> None:
     import jaxlm
     from jaxlm.loading import default_model_path, open_checkpoint
+    from jaxlm.models import model_class
 
     path = Path(args.model) if args.model else default_model_path()
     config = jaxlm.ModelConfig.from_hf_config(open_checkpoint(path).config)
     # The plan needs shapes only: an abstract model holds no weights.
-    model = jaxlm.LlamaForCausalLM.abstract(config, dtype=args.dtype)
+    model = model_class(config).abstract(config, dtype=args.dtype)
     if args.mesh is not None:
         model = jaxlm.shard(model, args.mesh)
     plan = jaxlm.plan(

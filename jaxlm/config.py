@@ -10,8 +10,9 @@ from typing import Any
 
 from jaxlm.errors import LoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +28,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Configuration of a Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3).
+    """Configuration of a decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3, OLMo 2.
 
     Field names are the keys of a Hugging Face `config.json`. Build one with `from_hf_config`.
     """
@@ -49,6 +50,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # Each layer's attention, `"full_attention"` or `"sliding_attention"` (over
+    # `sliding_window`); without it every layer's is the same (see `attention_layer_types`).
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -77,6 +81,17 @@ class ModelConfig:
             raise LoadError(f"`rms_norm_eps` must be >= 0, got {self.rms_norm_eps!r}")
         if self.sliding_window is not None:
             _positive_int(self.sliding_window, "sliding_window")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise LoadError(
+                    f"`layer_types` has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            if unknown:
+                raise LoadError(f"unsupported `layer_types` {sorted(unknown)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise LoadError("`layer_types` has sliding layers but no `sliding_window`")
         if self.bos_token_id is not None:
             _token_id(self.bos_token_id, "bos_token_id")
         for token in self.eos_token_id:
@@ -85,6 +100,15 @@ class ModelConfig:
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def attention_layer_types(self) -> tuple[str, ...]:
+        """Each layer's attention: `layer_types`, or every layer sliding where a window is
+        set (Mistral) and full otherwise."""
+        if self.layer_types is not None:
+            return self.layer_types
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return (kind,) * self.num_hidden_layers
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelConfig:
@@ -174,6 +198,8 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * d
+        if self.model_type == "olmo2":
+            attn += q + kv  # q and k norms over all heads
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h

@@ -107,15 +107,21 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, features: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((features,), dtype))
+    """RMSNorm scaled by `offset + weight`: Gemma stores the weight less one (`offset=1`)."""
+
+    def __init__(self, features: int, *, eps: float, dtype, offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((features,), 1.0 - offset, dtype))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array, axis: int = 0) -> jax.Array:
         """`x` normalised over its features, dimension `axis`."""
         x = x.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=axis, keepdims=True) + self.eps)
-        return x * _along(self.weight[...].astype(jnp.float32), axis, x.ndim)
+        weight = self.weight[...].astype(jnp.float32)
+        if self.offset:
+            weight = self.offset + weight
+        return x * _along(weight, axis, x.ndim)
 
 
 def _along(v: jax.Array, axis: int, ndim: int) -> jax.Array:

@@ -226,10 +226,21 @@ def write_kv(scratch: dict, k: jax.Array, v: jax.Array, index: jax.Array) -> dic
 # Attention.
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
     """Scaled dot-product attention of queries `q` `[heads, D, B, T]` over keys `k`
     `[B * kv_heads, D, S]` and values `v` `[B * kv_heads, S, D]` (the cache layouts, as values)
     where `mask` `[B, T, S]` holds; returns the heads' outputs `[heads * D, B, T]`.
+
+    The scores are scaled by `scale` (`D ** -0.5` without it) and, with `softcap`, capped to
+    `softcap * tanh(scores / softcap)` (Gemma 2).
 
     A chunk of several tokens multiplies in the cache's dtype (bfloat16 runs natively on CPUs
     with bf16 instructions); one token converts the cache to float32, whose products ran faster
@@ -242,7 +253,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     dtype = k.dtype if t > 1 else jnp.float32
     f32 = jnp.float32
     scores = jnp.einsum("nqd,nds->nqs", q.astype(dtype), k, preferred_element_type=f32)
-    scores = scores * (d**-0.5)
+    scores = scores * (d**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     mask = jnp.broadcast_to(mask[:, None, None], (b, nkv, g, t, mask.shape[-1]))
     scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
@@ -255,10 +268,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 FILLED_BUCKET = 256
 
 
-def attend_cached(q, k_cache, v_cache, mask, end):
+def attend_cached(q, k_cache, v_cache, mask, end, **options):
     """`attend` over the caches as stored, reading only their first slots: the smallest of
     their sizes (256 slots doubling up to the whole cache, and a chunk of several tokens' own
-    length) that holds the `end` slots in use.
+    length) that holds the `end` slots in use. `options` are `attend`'s `scale` and `softcap`.
 
     Slots from `end` on are masked for every query, so leaving them out changes nothing but
     the work: a plan sized for long requests attends over short ones about as fast as a small
@@ -270,14 +283,14 @@ def attend_cached(q, k_cache, v_cache, mask, end):
         # The first chunk of a prompt fills only its own slots.
         sizes.insert(0, t)
     if not sizes:
-        return attend(q, read_cache(k_cache), read_cache(v_cache), mask)
+        return attend(q, read_cache(k_cache), read_cache(v_cache), mask, **options)
     sizes.append(seq)
 
     def branch(size, q, k, v, mask):
         # The caches enter in their storage dtype and are read inside the branch: bfloat16
         # caches stored as uint16 and read before it made XLA copy each cache twice per step.
         k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
-        return attend(q, k, v, mask[..., :size])
+        return attend(q, k, v, mask[..., :size], **options)
 
     index = jnp.searchsorted(jnp.asarray(sizes), end)
     branches = [functools.partial(branch, size) for size in sizes]

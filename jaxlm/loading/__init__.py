@@ -16,6 +16,7 @@ from tqdm import tqdm
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
 from jaxlm.memory import release_host_memory
+from jaxlm.models import model_class
 from jaxlm.models.llama import LlamaForCausalLM
 from jaxlm.sharding import Partitioner, make_mesh, param_axes
 from jaxlm.tokenizer import Tokenizer
@@ -142,7 +143,7 @@ def build_model(
         available.discard("lm_head.weight")
     available = {n for n in available if not n.endswith(_IGNORED_SUFFIXES)}
     _check_dims(config, checkpoint, available, where)
-    abstract = LlamaForCausalLM.abstract(config, dtype=dtype)
+    abstract = model_class(config).abstract(config, dtype=dtype)
     graphdef, state = nnx.split(abstract)
     variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
     needed = {part for name in variables for part in checkpoint_names(name)}

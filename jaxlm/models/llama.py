@@ -1,5 +1,8 @@
 """Llama-family decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2 and Qwen3.
 
+Its classes are also the base of the other families (`jaxlm.models.olmo2`, ...), which
+override the few methods where their math differs.
+
 Attribute names follow the Hugging Face modules (`model.layers.0.self_attn.q_proj.weight`), so
 a safetensors checkpoint loads by name. The variants differ only by config flags: biases on
 q/k/v (Qwen2), RMSNorm on q and k per head (Qwen3), a sliding attention window (Mistral).
@@ -57,11 +60,25 @@ class Attention(nnx.Module):
             stack_axis="kv_heads",
         )
         self.o_proj = Linear(nh * d, h, bias=o_bias, dtype=dtype, rngs=rngs, axes=("heads", None))
-        if config.qk_norm:
-            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
+        self._add_qk_norms(config, dtype)
         # The KV cache, declared here and allocated by the planner, in `jaxlm.ops`'s layouts.
         self.k_cache, self.v_cache = ops.kv_cache_specs(nkv, d, dtype)
+
+    def _add_qk_norms(self, config: ModelConfig, dtype) -> None:
+        # Qwen3 normalises each head of q and k.
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, dtype=dtype)
+
+    def _norm_qk(self, q, k):
+        # q [heads, D, B, T], k [kv_heads, D, B, T].
+        if self.config.qk_norm:
+            return self.q_norm(q, axis=1), self.k_norm(k, axis=1)
+        return q, k
+
+    def _attend_options(self) -> dict:
+        """`jaxlm.ops.attend`'s `scale` and `softcap`, where a family sets them."""
+        return {}
 
     def _project(self, x, cos, sin):
         # x [hidden, B, T] -> q [heads, D, B, T], and keys and values in the cache layouts.
@@ -71,8 +88,7 @@ class Attention(nnx.Module):
         queries = c.num_kv_groups * c.head_dim
         q = qkv[:, :queries].reshape(c.num_attention_heads, c.head_dim, b, t)
         k, v = qkv[:, queries : queries + c.head_dim], qkv[:, queries + c.head_dim :]
-        if c.qk_norm:
-            q, k = self.q_norm(q, axis=1), self.k_norm(k, axis=1)
+        q, k = self._norm_qk(q, k)
         # Keys and values are rounded to the cache dtype on both paths, so a cached forward
         # equals a full one in bfloat16 too.
         dtype = self.k_cache.dtype
@@ -80,33 +96,53 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), k, v
 
     def __call__(self, x, cos, sin, mask):
-        return self.o_proj(ops.attend(*self._project(x, cos, sin), mask))
+        out = ops.attend(*self._project(x, cos, sin), mask, **self._attend_options())
+        return self.o_proj(out)
 
     def forward_cached(self, x, cos, sin, mask, index, scratch):
         q, k, v = self._project(x, cos, sin)
         cache = ops.write_kv(scratch, k, v, index)
-        out = ops.attend_cached(q, cache["k_cache"], cache["v_cache"], mask, index + x.shape[-1])
+        end = index + x.shape[-1]
+        k, v = cache["k_cache"], cache["v_cache"]
+        out = ops.attend_cached(q, k, v, mask, end, **self._attend_options())
         return self.o_proj(out), cache
 
 
 class DecoderLayer(nnx.Module):
+    """A pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    Families that place their norms elsewhere override `_attention_input`,
+    `_attention_output` and `_feed_forward`, which both forwards share.
+    """
+
+    attention_class = Attention
+    mlp_class = MLP
+
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.self_attn = self.attention_class(config, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        self.mlp = self.mlp_class(config, dtype=dtype, rngs=rngs)
+
+    def _attention_input(self, x):
+        return self.input_layernorm(x)
+
+    def _attention_output(self, h):
+        return h
+
+    def _feed_forward(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def __call__(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self._attention_input(x), cos, sin, mask)
+        return self._feed_forward(x + self._attention_output(h))
 
     def forward_cached(self, x, cos, sin, mask, index, scratch):
         h, attn = self.self_attn.forward_cached(
-            self.input_layernorm(x), cos, sin, mask, index, scratch["self_attn"]
+            self._attention_input(x), cos, sin, mask, index, scratch["self_attn"]
         )
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), {"self_attn": attn}
+        return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
 
 
 # A jitted layer: the layers share one signature, so a step traces and lowers one layer, not
@@ -118,6 +154,13 @@ def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
 
 
 class LlamaModel(nnx.Module):
+    """The decoder stack. Families change the layer (`layer_class`), the norms' `(offset +
+    weight)` scale (`norm_offset`), the embedding (`_embed`) and each layer type's RoPE
+    settings (`_rope_config`)."""
+
+    layer_class = DecoderLayer
+    norm_offset = 0.0
+
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = Embedding(
@@ -128,41 +171,68 @@ class LlamaModel(nnx.Module):
             rngs=rngs,
         )
         self.layers = nnx.List(
-            [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
+            [
+                self.layer_class(config, dtype=dtype, rngs=rngs)
+                for _ in range(config.num_hidden_layers)
+            ]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, offset=self.norm_offset
+        )
         # Where each row of the cache starts (prompts are left-aligned to a shared write slot)
         # and the next slot to write.
         self.cache_start = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="first slot")
         self.cache_index = ScratchSpec((), jnp.int32, doc="next slot to write")
 
-    def _mask(self, q_pos, k_pos, valid):
+    def _embed(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+    def _rope_config(self, layer_type: str) -> ModelConfig:
+        """The config whose RoPE settings the layers of `layer_type` use."""
+        return self.config
+
+    def _mask(self, q_pos, k_pos, valid, window):
         # q_pos [B, T], k_pos [B, S], valid [B, S] -> [B, T, S].
         mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & valid[:, None, :]
-        if self.config.sliding_window is not None:
-            mask &= q_pos[:, :, None] - k_pos[:, None, :] < self.config.sliding_window
+        if window is not None:
+            mask &= q_pos[:, :, None] - k_pos[:, None, :] < window
         return mask
+
+    def _layer_inputs(self, q_pos, k_pos, valid, rope):
+        """Each layer's `(cos, sin, mask)`, computed once per layer type (sliding or full
+        attention) and once per RoPE config; `rope(config)` gives the `cos` and `sin`."""
+        ropes, by_type = {}, {}
+        types = self.config.attention_layer_types
+        for layer_type in dict.fromkeys(types):
+            config = self._rope_config(layer_type)
+            if config not in ropes:
+                ropes[config] = rope(config)
+            window = self.config.sliding_window if layer_type == "sliding_attention" else None
+            by_type[layer_type] = (*ropes[config], self._mask(q_pos, k_pos, valid, window))
+        return [by_type[t] for t in types]
 
     def __call__(self, input_ids, positions, attention_mask):
         """The final hidden states `[hidden, batch, seq]`: activations flow feature-major (see
         `jaxlm.layers`)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.config, positions)
-        mask = self._mask(positions, positions, attention_mask)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        x = self._embed(input_ids)
+        inputs = self._layer_inputs(
+            positions, positions, attention_mask, lambda c: rope_cos_sin(c, positions)
+        )
+        for layer, layer_inputs in zip(self.layers, inputs, strict=True):
+            x = layer(x, *layer_inputs)
         return self.norm(x)
 
-    def _rope_once(self, positions):
+    @staticmethod
+    def _rope_once(config, positions):
         # The angles are computed once for all layers (`jaxlm.ops.computed_once`); a chunk that
         # is padding in every row, masked everywhere, is not rotated.
         def identity(positions):
-            shape = (self.config.head_dim, *positions.shape)
+            shape = (config.head_dim, *positions.shape)
             return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
         return ops.computed_once(
             jnp.max(positions) >= 0,
-            functools.partial(rope_cos_sin, self.config),
+            functools.partial(rope_cos_sin, config),
             identity,
             jnp.maximum(positions, 0),
         )
@@ -174,18 +244,18 @@ class LlamaModel(nnx.Module):
         q_slots = index + jnp.arange(t, dtype=jnp.int32)
         positions = q_slots[None, :] - start[:, None]  # [B, T]
         k_slots = jnp.arange(seq, dtype=jnp.int32)
-        mask = self._mask(
+        inputs = self._layer_inputs(
             jnp.broadcast_to(q_slots, (b, t)),
             jnp.broadcast_to(k_slots, (b, seq)),
             k_slots[None, :] >= start[:, None],
+            lambda c: self._rope_once(c, positions),
         )
-        cos, sin = self._rope_once(positions)
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         layers = {}
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
             x, layers[i] = _layer_cached(
-                graphdef, state, x, cos, sin, mask, index, scratch["layers"][i]
+                graphdef, state, x, *inputs[i], index, scratch["layers"][i]
             )
         new = {"cache_start": start, "cache_index": index + t, "layers": layers}
         return self.norm(x), new
@@ -199,11 +269,13 @@ class LlamaForCausalLM(nnx.Module):
         >>> logits = model(jnp.array([tokenizer.encode("Hello")]))  # [1, seq, vocab]
     """
 
+    model_class = LlamaModel
+
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.model = LlamaModel(config, dtype=dtype, rngs=rngs)
+        self.model = self.model_class(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 config.hidden_size,

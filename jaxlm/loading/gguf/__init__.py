@@ -119,7 +119,7 @@ class GGUFCheckpoint:
 
 
 def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
-    """Open a llama.cpp GGUF model file (Llama, Qwen2 or Qwen3 architecture).
+    """Open a llama.cpp GGUF model file (Llama, Qwen2, Qwen3 or OLMo 2 architecture).
 
     Parses the metadata into a Hugging Face style config and a tokenizer, maps the tensor names
     to Hugging Face's and checks every tensor's shape; tensor data is read by
@@ -160,11 +160,11 @@ def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
     for name, tensor in gguf_tensors.items():
         if name == _ROPE_FREQS:
             continue
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, arch)
         if hf_name is None:
             raise LoadError(f"{path}: unknown tensor `{name}` for architecture `{arch}`")
         tensors[hf_name] = tensor
-    _check_tensors(path, config, tensors)
+    _check_tensors(path, arch, config, tensors)
 
     permuted = {}
     if arch in _PERMUTED_QK:

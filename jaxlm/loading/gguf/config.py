@@ -13,11 +13,12 @@ from jaxlm.loading.gguf.reader import _float, _Metadata
 from jaxlm.loading.gguf.tensors import _ROPE_FREQS, _hf_shape
 
 # Hugging Face's `model_type` for each `general.architecture` jaxlm reads.
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2"}
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # llama.cpp's converter permutes the Q and K rows of these architectures only.
 _PERMUTED_QK = frozenset({"llama"})

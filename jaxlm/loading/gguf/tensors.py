@@ -35,6 +35,14 @@ _TENSOR_NAMES = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+# Where an architecture's names differ: OLMo 2 and Gemma norm the attention's output
+# (`post_attention_norm`), and Gemma's `ffn_norm` is the norm before its MLP.
+_ARCH_TENSOR_NAMES = {
+    "olmo2": {
+        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
+}
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -161,17 +169,32 @@ def _can_dequantize(kind: GGMLQuantizationType) -> bool:
     return _dequantizable[kind]
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _TENSOR_NAMES:
-        return _TENSOR_NAMES[gguf_name]
+def _tensor_names(arch: str) -> dict[str, str]:
+    """Hugging Face's name for each GGUF tensor name of `arch`."""
+    changes = _ARCH_TENSOR_NAMES.get(arch, {})
+    renamed = set(changes.values())
+    return {g: h for g, h in _TENSOR_NAMES.items() if h not in renamed} | changes
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    names = _tensor_names(arch)
+    if gguf_name in names:
+        return names[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match is None:
         return None
-    pattern = _TENSOR_NAMES.get("blk.{i}." + match[2])
+    pattern = names.get("blk.{i}." + match[2])
     return None if pattern is None else pattern.format(i=int(match[1]))
 
 
-def _check_tensors(path: pathlib.Path, config: dict, tensors: dict) -> None:
+def _layer_norms(model_type: str) -> tuple[str, ...]:
+    """The names of the norms of a layer of `model_type`, each `[hidden]`."""
+    if model_type == "olmo2":
+        return ("post_attention_layernorm", "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm")
+
+
+def _check_tensors(path: pathlib.Path, arch: str, config: dict, tensors: dict) -> None:
     """Check that the file has exactly the tensors the config implies, in the right shapes."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     vocab, head_dim = config["vocab_size"], config["head_dim"]
@@ -194,9 +217,8 @@ def _check_tensors(path: pathlib.Path, config: dict, tensors: dict) -> None:
         )
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        expected |= {p + f"{norm}.weight": (hidden,) for norm in _layer_norms(model_type)}
         expected |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
             p + "self_attn.q_proj.weight": (q_rows, hidden),
             p + "self_attn.k_proj.weight": (kv_rows, hidden),
             p + "self_attn.v_proj.weight": (kv_rows, hidden),
@@ -208,6 +230,9 @@ def _check_tensors(path: pathlib.Path, config: dict, tensors: dict) -> None:
         if model_type == "qwen3":
             expected[p + "self_attn.q_norm.weight"] = (head_dim,)
             expected[p + "self_attn.k_norm.weight"] = (head_dim,)
+        if model_type == "olmo2":
+            expected[p + "self_attn.q_norm.weight"] = (q_rows,)
+            expected[p + "self_attn.k_norm.weight"] = (kv_rows,)
         if config["attention_bias"] or model_type == "qwen2":
             expected[p + "self_attn.q_proj.bias"] = (q_rows,)
             expected[p + "self_attn.k_proj.bias"] = (kv_rows,)
@@ -227,7 +252,7 @@ def _check_tensors(path: pathlib.Path, config: dict, tensors: dict) -> None:
     if missing:
         raise LoadError(
             f"{path}: missing tensors "
-            + ", ".join(f"`{_gguf_name(n)}`" for n in missing[:5])
+            + ", ".join(f"`{_gguf_name(n, arch)}`" for n in missing[:5])
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
     for name, tensor in tensors.items():
@@ -238,9 +263,9 @@ def _check_tensors(path: pathlib.Path, config: dict, tensors: dict) -> None:
             )
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str) -> str:
     """The GGUF name of a Hugging Face tensor name, for error messages."""
-    for gguf_pattern, hf_pattern in _TENSOR_NAMES.items():
+    for gguf_pattern, hf_pattern in _tensor_names(arch).items():
         regex = re.escape(hf_pattern).replace(r"\{i\}", r"(\d+)")
         match = re.fullmatch(regex, hf_name)
         if match:

@@ -1,0 +1,165 @@
+"""The families beyond Llama: parity with transformers from safetensors and from GGUF files
+written as llama.cpp's converter writes them, cached greedy decoding against transformers'
+`generate`, and the plan of each family's real size built abstractly."""
+
+from __future__ import annotations
+
+import gc
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import BASE, hf_logits, padded_batch
+from flax import nnx
+from test_gguf import write_gguf
+
+import jaxlm
+from jaxlm import ModelConfig
+from jaxlm.models import model_class
+
+# Each family: its transformers config class, model class and config of a tiny model (GQA
+# with an odd group size), its GGUF architecture, and the real model whose plan is checked.
+TINY = BASE | dict(
+    hidden_size=72,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+FAMILIES = {
+    "olmo2": dict(
+        config="Olmo2Config",
+        model="Olmo2ForCausalLM",
+        tiny=dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+        arch=gguf.MODEL_ARCH.OLMO2,
+    ),
+}
+# Published parameter counts (the model cards' safetensors metadata on the Hub).
+FULL_SIZE = {
+    "OLMo-2-0425-1B": (
+        1_484_916_736,
+        dict(
+            model_type="olmo2",
+            vocab_size=100352,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            rope_theta=500000.0,
+            max_position_embeddings=4096,
+        ),
+    ),
+}
+LENGTHS = [11, 4, 7]
+PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 50]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """A saved tiny model of each family: `(name, directory, transformers model)`."""
+    name = request.param
+    spec = FAMILIES[name]
+    config = getattr(transformers, spec["config"])(**{**TINY, **spec["tiny"]})
+    torch.manual_seed(0)
+    hf = getattr(transformers, spec["model"])(config).eval()
+    # Norms start at 1 (or 0 for Gemma's `1 + w`); random ones catch a norm swapped for another.
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return name, path, hf
+
+
+def write_family_gguf(path, name, hf):
+    """`hf` as a float32 GGUF file under llama.cpp's tensor names and metadata keys."""
+    config = hf.config
+    arch = FAMILIES[name]["arch"]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = []
+    for key, w in hf.state_dict().items():
+        w = w.numpy().astype(np.float32)
+        tensors.append((names.get_name(key, try_suffixes=(".weight", ".bias")), w, None))
+    return write_gguf(
+        path,
+        gguf.MODEL_ARCH_NAMES[arch],
+        tensors,
+        layers=config.num_hidden_layers,
+        ctx=config.max_position_embeddings,
+        hidden=config.hidden_size,
+        inter=config.intermediate_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        eps=config.rms_norm_eps,
+        theta=config.rope_parameters["rope_theta"],
+        vocab=config.vocab_size,
+    )
+
+
+def assert_parity(model, hf):
+    for side in ("left", "right"):
+        ids, mask, positions = padded_batch(hf.config.vocab_size, LENGTHS, side)
+        ref = hf_logits(hf, ids, mask, positions)
+        out = np.asarray(model(ids, attention_mask=mask))
+        real = mask.astype(bool)
+        np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0, err_msg=side)
+
+
+def assert_same_greedy_tokens(model, hf):
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([PROMPT]),
+            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    out = jaxlm.generate(model, None, [PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    assert out.token_ids[0] == ref[0, len(PROMPT) :].tolist()
+
+
+def test_safetensors_equal_transformers(family):
+    name, path, hf = family
+    model, _ = jaxlm.load(path)
+    assert type(model).__name__ == FAMILIES[name]["model"]
+    assert_parity(model, hf)
+    assert_same_greedy_tokens(model, hf)
+
+
+def test_gguf_equals_transformers(family, tmp_path):
+    name, _, hf = family
+    model, tokenizer = jaxlm.load(write_family_gguf(tmp_path / "m.gguf", name, hf))
+    assert tokenizer is None
+    assert type(model).__name__ == FAMILIES[name]["model"]
+    assert_parity(model, hf)
+    assert_same_greedy_tokens(model, hf)
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE))
+def test_full_size_plan_without_allocating(name):
+    published, hf_config = FULL_SIZE[name]
+    config = ModelConfig.from_hf_config(hf_config)
+    assert config.num_parameters() == published
+    gc.collect()
+    live_before = len(jax.live_arrays())
+    model = model_class(config).abstract(config, dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert sum(x.size for x in leaves) == published
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=512, steps=("decode",))
+    assert plan.weights_bytes == 2 * published
+    c = config
+    kv = 2 * c.num_hidden_layers * 2 * 512 * c.num_key_value_heads * c.head_dim * 2
+    assert plan.kv_cache_bytes == kv
+    # A budget a little above that plan's bill picks the same cache length.
+    fitted = jaxlm.plan(model, max_batch=2, budget=plan.total_bytes + 1000, steps=("decode",))
+    assert fitted.max_seq_len == 512
+    gc.collect()
+    assert len(jax.live_arrays()) == live_before
