@@ -1,0 +1,270 @@
+"""Continuous batching: which sequences run in the next step, and with which pages.
+
+Plain Python over plain data, with no model: the step that computes the tokens reads the
+`Batch` a `schedule()` returns and reports the sampled tokens back through `update()`.
+
+Each step runs, within `max_num_batched_tokens` tokens, one token of every running sequence
+that is decoding, then chunks of prompts (chunked prefill): those of sequences already
+prefilling, then new ones admitted first come, first served while a slot of the
+`max_num_seqs` rows and pages allow. A sequence that needs a page when none is available
+preempts the newest running sequence, whose pages are freed and which goes back to the front of
+the queue, to be computed again from its prompt and the tokens it had generated.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+from collections.abc import Sequence
+
+from jaxlm.batching.pages import PagePool
+from jaxlm.errors import JaxlmError
+
+
+class QueueFullError(JaxlmError):
+    """Raised by `submit` when the queue of waiting requests is full."""
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceState:
+    """One request as the scheduler sees it: its tokens, its pages, how far it has run."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    # Tokens whose keys and values are in the pages (computed or shared from the cache).
+    num_computed: int = 0
+    num_cached: int = 0
+    preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether tokens before the last one remain to be computed."""
+        return self.num_computed < len(self.tokens) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A sequence's tokens `tokens`, at positions `start ..`, in one step; `sample` says
+    whether the step samples the sequence's next token from the chunk's last position."""
+
+    seq: SequenceState
+    start: int
+    tokens: tuple[int, ...]
+    sample: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """What one step runs: decode chunks (one token each) first, then prefill chunks."""
+
+    chunks: tuple[Chunk, ...]
+    preempted: tuple[SequenceState, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+class Scheduler:
+    """Admits, runs and retires sequences over a `PagePool`.
+
+    Example:
+        >>> scheduler = Scheduler(PagePool(17, 16), max_num_seqs=4, max_num_batched_tokens=64)
+        >>> seq = scheduler.submit([1, 2, 3], max_new_tokens=2)
+        >>> batch = scheduler.schedule()          # the prompt, in one chunk
+        >>> scheduler.update(batch, {seq.id: 7})  # the token the step sampled
+        []
+        >>> seq.output
+        [7]
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        pages_per_seq: int | None = None,
+        max_queue: int = 1024,
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                "`max_num_seqs` must be positive and `max_num_batched_tokens` at least "
+                f"`max_num_seqs`, got {max_num_seqs} and {max_num_batched_tokens}"
+            )
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pages_per_seq = pages_per_seq or pool.num_usable
+        self.max_queue = max_queue
+        self.waiting: collections.deque[SequenceState] = collections.deque()
+        self.running: list[SequenceState] = []
+        self._free_slots = list(range(max_num_seqs))
+        self._ids = itertools.count()
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.pages_per_seq * self.pool.page_size
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> SequenceState:
+        """Queue a request; raises `ValueError` if it can never fit, `QueueFullError` if the queue
+        holds `max_queue` requests already."""
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("`prompt` is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+        # The last sampled token is never fed back, so it needs no slot in the cache.
+        needed = len(prompt) + max_new_tokens - 1
+        limit = min(self.max_tokens_per_seq, self.pool.num_usable * self.pool.page_size)
+        if needed > limit:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + `max_new_tokens={max_new_tokens}` needs "
+                f"{needed} cache slots; a sequence holds at most {limit} "
+                f"({limit // self.pool.page_size} pages of {self.pool.page_size})"
+            )
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"the queue holds `max_queue={self.max_queue}` requests already")
+        seq = SequenceState(next(self._ids), prompt, max_new_tokens)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: SequenceState) -> None:
+        """Retire `seq` now, wherever it is, freeing its slot and pages."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "cancelled"
+        elif seq.status is Status.RUNNING:
+            self._retire(seq, "cancelled")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # Scheduling.
+
+    def _pages_for(self, seq: SequenceState, end: int) -> bool:
+        """Give `seq` pages for its tokens up to `end`, preempting newer sequences if needed;
+        False if it could only have them by preempting itself."""
+        needed = -(-end // self.pool.page_size) - len(seq.pages)
+        while needed > self.pool.num_available:
+            victim = max(self.running, key=lambda s: s.id)
+            if victim is seq:
+                return False
+            self._preempt(victim)
+        if needed > 0:
+            seq.pages += self.pool.allocate(needed)
+        return True
+
+    def _preempt(self, seq: SequenceState) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        self._free_slots.append(seq.slot)
+        seq.pages, seq.slot, seq.num_computed, seq.num_cached = [], None, 0, 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        self._preempted.append(seq)
+
+    def _admit(self, seq: SequenceState, budget: int) -> bool:
+        """Start `seq` in a free slot with its cached prefix, if the pages of its first chunk
+        are available: a new sequence never preempts the ones that came before it."""
+        cached = self.pool.match_prefix(seq.tokens)
+        start = len(cached) * self.pool.page_size
+        end = min(len(seq.tokens), start + budget)
+        if -(-end // self.pool.page_size) - len(cached) > self.pool.num_available:
+            self.pool.release(cached)
+            return False
+        seq.pages, seq.num_cached, seq.num_computed = cached, start, start
+        seq.slot = self._free_slots.pop(0)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def schedule(self) -> Batch:
+        """The next step's chunks. Sequences preempted because pages ran out are listed in the
+        batch (`preempted`); they are back in the queue, to be computed again."""
+        self._preempted: list[SequenceState] = []
+        chunks: list[Chunk] = []
+        decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.id)
+        for seq in decoding:
+            if seq.status is not Status.RUNNING:
+                continue
+            if self._pages_for(seq, len(seq.tokens)):
+                chunks.append(Chunk(seq, len(seq.tokens) - 1, (seq.tokens[-1],), True))
+            else:
+                self._preempt(seq)
+        chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
+        budget = self.max_num_batched_tokens - len(chunks)
+        prefilling = sorted((s for s in self.running if s.prefilling), key=lambda s: s.id)
+        while budget > 0:
+            if prefilling:
+                seq = prefilling.pop(0)
+                if seq.status is not Status.RUNNING:
+                    continue
+            elif self.waiting and self._free_slots and self._admit(self.waiting[0], budget):
+                seq = self.waiting.popleft()
+            else:
+                break
+            end = min(len(seq.tokens), seq.num_computed + budget)
+            if not self._pages_for(seq, end):
+                self._preempt(seq)
+                break
+            tokens = tuple(seq.tokens[seq.num_computed : end])
+            chunks.append(Chunk(seq, seq.num_computed, tokens, end == len(seq.tokens)))
+            budget -= len(tokens)
+        chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
+        return Batch(tuple(chunks), tuple(self._preempted))
+
+    # After the step.
+
+    def update(
+        self,
+        batch: Batch,
+        sampled: dict[int, int],
+        stop: dict[int, bool] | None = None,
+    ) -> list[SequenceState]:
+        """Record a step: `sampled[id]` is the token sampled for each chunk with `sample`, and
+        `stop[id]` says whether it ended the sequence (a stop token or string). Returns the
+        sequences that finished, whose slots and pages are free again."""
+        finished = []
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.num_computed = chunk.start + len(chunk.tokens)
+            self.pool.publish(seq.pages, seq.tokens[: seq.num_computed])
+            if not chunk.sample:
+                continue
+            seq.output.append(sampled[seq.id])
+            if stop and stop.get(seq.id):
+                self._retire(seq, "stop")
+                finished.append(seq)
+            elif len(seq.output) >= seq.max_new_tokens:
+                self._retire(seq, "length")
+                finished.append(seq)
+        return finished
+
+    def _retire(self, seq: SequenceState, reason: str) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        self._free_slots.append(seq.slot)
+        seq.pages, seq.slot = [], None
+        seq.status, seq.finish_reason = Status.FINISHED, reason
