@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import itertools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,8 @@ import pytest
 import torch
 from conftest import BASE, LLAMA_31_8B, make_hf_model
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxlm
 from jaxlm import LlamaForCausalLM, ModelConfig, PlanError
@@ -376,3 +381,30 @@ def test_bfloat16_caches_are_not_copied_when_attention_reads_part_of_them(tmp_pa
     shapes = (f"[{n},{seq},{d}]", f"[{n},{d},{seq}]")
     copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line)]
     assert not [line for line in copies if any(s in line for s in shapes)], copies
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.integers(0, 1000),
+    per_page=st.integers(1, 50),
+    temporaries=st.lists(st.integers(0, 80), min_size=1, max_size=40),
+    limit=st.integers(0, 3000),
+)
+def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, temporaries, limit):
+    # Bills that grow with the pages, as XLA's temporaries may, against a search of every size.
+    from jaxlm.planner import PAGE, _fit
+
+    extra = list(itertools.accumulate(temporaries))  # non-decreasing
+    pages = len(extra)
+    config = ModelConfig.from_hf_config(dict(BASE, model_type="llama"))
+    config = dataclasses.replace(config, max_position_embeddings=pages * PAGE)
+
+    def floor(seq):
+        return weights + per_page * (seq // PAGE)
+
+    def make(seq):
+        return types.SimpleNamespace(seq=seq, total_bytes=floor(seq) + extra[seq // PAGE - 1])
+
+    fitting = [n for n in range(1, pages + 1) if make(n * PAGE).total_bytes <= limit]
+    best = _fit(make, floor, limit, config)
+    assert (best and best.seq) == (max(fitting) * PAGE if fitting else None)
