@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxlm.errors import LoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -28,7 +28,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Configuration of a decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3, OLMo 2.
+    """Configuration of a decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3, OLMo 2, Gemma 2.
 
     Field names are the keys of a Hugging Face `config.json`. Build one with `from_hf_config`.
     """
@@ -53,6 +53,11 @@ class ModelConfig:
     # Each layer's attention, `"full_attention"` or `"sliding_attention"` (over
     # `sliding_window`); without it every layer's is the same (see `attention_layer_types`).
     layer_types: tuple[str, ...] | None = None
+    # Gemma: the query scale is `query_pre_attn_scalar ** -0.5`; scores and logits are capped
+    # to `cap * tanh(x / cap)` where a cap is set.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -138,7 +143,16 @@ class ModelConfig:
         missing = [key for key in required if key not in config]
         if missing:
             raise LoadError("the model config lacks " + ", ".join(f"`{k}`" for k in missing))
-        if config.get("hidden_act", "silu") != "silu":
+        gemma = model_type == "gemma2"
+        if gemma:
+            # transformers' default where a config leaves it out.
+            config = {"query_pre_attn_scalar": 256, **config}
+            if config.get("hidden_activation") != "gelu_pytorch_tanh":
+                raise LoadError(
+                    f"unsupported `hidden_activation` {config.get('hidden_activation')!r}; "
+                    "only `gelu_pytorch_tanh`"
+                )
+        elif config.get("hidden_act", "silu") != "silu":
             raise LoadError(f"unsupported `hidden_act` {config['hidden_act']!r}; only `silu`")
         if config.get("pretraining_tp", 1) != 1:
             raise LoadError("`pretraining_tp` other than 1 is not supported")
@@ -151,7 +165,18 @@ class ModelConfig:
             raise LoadError("Qwen2 `use_sliding_window` is not supported")
         if model_type == "qwen3" and config.get("use_sliding_window"):
             raise LoadError("Qwen3 `use_sliding_window` is not supported")
-        sliding_window = config.get("sliding_window") if model_type == "mistral" else None
+        sliding_window = (
+            config.get("sliding_window") if model_type in ("mistral", "gemma2") else None
+        )
+        layer_types = config.get("layer_types")
+        if gemma and layer_types is None:
+            # transformers' default: sliding and full attention alternate, from a sliding one.
+            layers = _positive_int(config["num_hidden_layers"], "num_hidden_layers")
+            layer_types = [
+                ("full_attention", "sliding_attention")[(i + 1) % 2] for i in range(layers)
+            ]
+        if layer_types is not None and not isinstance(layer_types, list):
+            raise LoadError(f"`layer_types` must be a list, got {layer_types!r}")
         eos = config.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
@@ -172,6 +197,10 @@ class ModelConfig:
             mlp_bias=_bool(config, "mlp_bias"),
             qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,
+            layer_types=None if layer_types is None else tuple(layer_types),
+            query_pre_attn_scalar=_optional_number(config, "query_pre_attn_scalar", gemma),
+            attn_logit_softcapping=_optional_number(config, "attn_logit_softcapping", gemma),
+            final_logit_softcapping=_optional_number(config, "final_logit_softcapping", gemma),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
         )
@@ -201,7 +230,7 @@ class ModelConfig:
         if self.model_type == "olmo2":
             attn += q + kv  # q and k norms over all heads
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * h
+        layer = attn + mlp + (4 if self.model_type == "gemma2" else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
@@ -241,6 +270,18 @@ def _number(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise LoadError(f"`{name}` must be a finite number, got {value!r}")
     return float(value)
+
+
+def _optional_number(config: dict[str, Any], name: str, read: bool) -> float | None:
+    """`config[name]` as a positive number, or None where absent or not `read` (a family
+    without the setting)."""
+    value = config.get(name) if read else None
+    if value is None:
+        return None
+    value = _number(value, name)
+    if not value > 0:
+        raise LoadError(f"`{name}` must be positive, got {value!r}")
+    return value
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:

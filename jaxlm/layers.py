@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoders: linear layers, RMSNorm, rotary embeddings, SwiGLU MLP.
+"""Building blocks shared by the decoders: linear layers, RMSNorm, rotary embeddings, gated MLPs.
 
 Parameters are named and laid out as in Hugging Face checkpoints: 2-D weights are `[out, in]`.
 Activations are float32 and flow feature-major, `[features, ...]` (`[hidden, batch, seq]`
@@ -146,18 +146,31 @@ class MLP(nnx.Module):
         self.gate_up_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs, axes=column, stack=2)
         self.down_proj = Linear(i, h, bias=bias, dtype=dtype, rngs=rngs, axes=row)
 
-    def _swiglu(self, x: jax.Array) -> jax.Array:
+    @staticmethod
+    def activation(gate: jax.Array) -> jax.Array:
+        return jax.nn.silu(gate)
+
+    def _gated(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cols = math.prod(x.shape[1:])
         parts = ops.mlp_column_parts(cols)
         if parts == 1:
-            return self._swiglu(x)
+            return self._gated(x)
         flat = x.reshape(x.shape[0], cols)
-        outs = [self._swiglu(part) for part in jnp.split(flat, parts, axis=1)]
+        outs = [self._gated(part) for part in jnp.split(flat, parts, axis=1)]
         return jnp.concatenate(outs, axis=1).reshape(-1, *x.shape[1:])
+
+
+class GeGLU(MLP):
+    """Gemma's MLP: `down(gelu(gate(x)) * up(x))`, with the tanh approximation of GELU
+    (`gelu_pytorch_tanh`)."""
+
+    @staticmethod
+    def activation(gate: jax.Array) -> jax.Array:
+        return jax.nn.gelu(gate, approximate=True)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

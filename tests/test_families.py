@@ -38,6 +38,30 @@ FAMILIES = {
         tiny=dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
         arch=gguf.MODEL_ARCH.OLMO2,
     ),
+    # A head size apart from hidden / heads, a window shorter than the prompts, and caps low
+    # enough that the scores and logits reach them.
+    "gemma2": dict(
+        config="Gemma2Config",
+        model="Gemma2ForCausalLM",
+        tiny=dict(
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+        arch=gguf.MODEL_ARCH.GEMMA2,
+        # llama.cpp scales Gemma 2's queries by the head size (see `_gemma2_settings`).
+        gguf_reference=dict(query_pre_attn_scalar=16),
+        gguf_metadata=lambda writer, config: (
+            writer.add_sliding_window(config.sliding_window),
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping),
+            writer.add_final_logit_softcapping(config.final_logit_softcapping),
+        ),
+        # llama.cpp's converter stores Gemma's norm weights plus one.
+        gguf_norm_shift=1.0,
+    ),
 }
 # Published parameter counts (the model cards' safetensors metadata on the Hub).
 FULL_SIZE = {
@@ -55,6 +79,26 @@ FULL_SIZE = {
             max_position_embeddings=4096,
         ),
     ),
+    "gemma-2-2b": (
+        2_614_341_888,
+        dict(
+            model_type="gemma2",
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+    ),
 }
 LENGTHS = [11, 4, 7]
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 50]
@@ -70,10 +114,13 @@ def family(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = getattr(transformers, spec["model"])(config).eval()
     # Norms start at 1 (or 0 for Gemma's `1 + w`); random ones catch a norm swapped for another.
+    # Larger query and key weights give scores large enough for Gemma's cap to act on.
     with torch.no_grad():
-        for p in hf.parameters():
+        for key, p in hf.named_parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
+            elif key.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10.0)
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     return name, path, hf
@@ -81,17 +128,23 @@ def family(request, tmp_path_factory):
 
 def write_family_gguf(path, name, hf):
     """`hf` as a float32 GGUF file under llama.cpp's tensor names and metadata keys."""
-    config = hf.config
-    arch = FAMILIES[name]["arch"]
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    config, spec = hf.config, FAMILIES[name]
+    names = gguf.get_tensor_name_map(spec["arch"], config.num_hidden_layers)
     tensors = []
     for key, w in hf.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         w = w.numpy().astype(np.float32)
+        if key.endswith("norm.weight"):
+            w = w + np.float32(spec.get("gguf_norm_shift", 0.0))
         tensors.append((names.get_name(key, try_suffixes=(".weight", ".bias")), w, None))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    metadata = spec.get("gguf_metadata")
     return write_gguf(
         path,
-        gguf.MODEL_ARCH_NAMES[arch],
+        gguf.MODEL_ARCH_NAMES[spec["arch"]],
         tensors,
+        None if metadata is None else lambda writer: metadata(writer, config),
         layers=config.num_hidden_layers,
         ctx=config.max_position_embeddings,
         hidden=config.hidden_size,
@@ -101,6 +154,7 @@ def write_family_gguf(path, name, hf):
         eps=config.rms_norm_eps,
         theta=config.rope_parameters["rope_theta"],
         vocab=config.vocab_size,
+        head_dim=None if head_dim == config.hidden_size // config.num_attention_heads else head_dim,
     )
 
 
@@ -135,8 +189,12 @@ def test_safetensors_equal_transformers(family):
 
 
 def test_gguf_equals_transformers(family, tmp_path):
-    name, _, hf = family
+    name, path, hf = family
     model, tokenizer = jaxlm.load(write_family_gguf(tmp_path / "m.gguf", name, hf))
+    # The reference computes with the settings llama.cpp reads from the file.
+    changes = FAMILIES[name].get("gguf_reference")
+    if changes is not None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, **changes).eval()
     assert tokenizer is None
     assert type(model).__name__ == FAMILIES[name]["model"]
     assert_parity(model, hf)
@@ -163,3 +221,9 @@ def test_full_size_plan_without_allocating(name):
     assert fitted.max_seq_len == 512
     gc.collect()
     assert len(jax.live_arrays()) == live_before
+
+
+def test_gemma2_refuses_another_activation():
+    config = dict(FULL_SIZE["gemma-2-2b"][1], hidden_activation="gelu")
+    with pytest.raises(jaxlm.LoadError, match="`hidden_activation`"):
+        ModelConfig.from_hf_config(config)

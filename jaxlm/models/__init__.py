@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxlm.config import ModelConfig
+from jaxlm.models.gemma import Gemma2ForCausalLM
 from jaxlm.models.llama import LlamaForCausalLM
 from jaxlm.models.olmo2 import Olmo2ForCausalLM
 
@@ -13,6 +14,7 @@ MODEL_CLASSES = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
 }
 
 

@@ -28,6 +28,7 @@ from jaxlm.loading.gguf.reader import _Metadata, _open_reader
 from jaxlm.loading.gguf.reader import _Reader as _Reader
 from jaxlm.loading.gguf.tensors import (
     _DEVICE_FORMATS,
+    _NORM_PLUS_ONE,
     _ROPE_FREQS,
     Dequantizer,
     _can_dequantize,
@@ -60,6 +61,7 @@ class GGUFCheckpoint:
         tokenizer: Tokenizer | None,
         tensors: dict[str, Any],
         permuted_heads: dict[str, int],
+        shifts: dict[str, float],
     ):
         self.path = path
         self.config = config
@@ -67,6 +69,7 @@ class GGUFCheckpoint:
         self._reader = reader
         self._tensors = tensors
         self._permuted_heads = permuted_heads
+        self._shifts = shifts
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, model_type={self.config['model_type']!r})"
@@ -100,6 +103,8 @@ class GGUFCheckpoint:
         heads = self._permuted_heads.get(name)
         if heads is not None:
             array = unpermute_qk(array, heads)
+        if name in self._shifts:
+            array = array + np.float32(self._shifts[name])
         return np.ascontiguousarray(array, dtype=np.float32)
 
     def encoded(self, name: str) -> tuple[np.ndarray, Dequantizer | None]:
@@ -110,7 +115,8 @@ class GGUFCheckpoint:
         if tensor.tensor_type not in _DEVICE_FORMATS:
             return self.read(name), None
         heads = self._permuted_heads.get(name)
-        return tensor.data, Dequantizer(tensor.tensor_type, _hf_shape(tensor), heads)
+        shift = self._shifts.get(name, 0.0)
+        return tensor.data, Dequantizer(tensor.tensor_type, _hf_shape(tensor), heads, shift)
 
     def slicer(self, name: str):
         """A function from an index to that piece of tensor `name` (dequantised once)."""
@@ -119,7 +125,7 @@ class GGUFCheckpoint:
 
 
 def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
-    """Open a llama.cpp GGUF model file (Llama, Qwen2, Qwen3 or OLMo 2 architecture).
+    """Open a llama.cpp GGUF model file (Llama, Qwen2, Qwen3, OLMo 2 or Gemma 2 architecture).
 
     Parses the metadata into a Hugging Face style config and a tokenizer, maps the tensor names
     to Hugging Face's and checks every tensor's shape; tensor data is read by
@@ -176,7 +182,11 @@ def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
                 for kind in ("weight", "bias"):
                     permuted[f"model.layers.{i}.self_attn.{proj}.{kind}"] = heads
 
+    shifts = {}
+    if arch in _NORM_PLUS_ONE:
+        shifts = {name: -1.0 for name in tensors if name.endswith("norm.weight")}
+
     tokenizer = None
     if "tokenizer.ggml.model" in meta:
         tokenizer = _tokenizer(meta, tokens, config["vocab_size"])
-    return GGUFCheckpoint(path, reader, config, tokenizer, tensors, permuted)
+    return GGUFCheckpoint(path, reader, config, tokenizer, tensors, permuted, shifts)

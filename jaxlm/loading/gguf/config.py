@@ -13,12 +13,19 @@ from jaxlm.loading.gguf.reader import _float, _Metadata
 from jaxlm.loading.gguf.tensors import _ROPE_FREQS, _hf_shape
 
 # Hugging Face's `model_type` for each `general.architecture` jaxlm reads.
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "olmo2": "olmo2"}
+_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "olmo2": "olmo2",
+    "gemma2": "gemma2",
+}
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 # llama.cpp's converter permutes the Q and K rows of these architectures only.
 _PERMUTED_QK = frozenset({"llama"})
@@ -95,7 +102,28 @@ def _config(meta: _Metadata, arch: str, tensors: dict, tokens: list | None) -> d
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": False,
     }
+    if arch == "gemma2":
+        config |= _gemma2_settings(meta, config)
     return config
+
+
+def _gemma2_settings(meta: _Metadata, config: dict) -> dict:
+    """Gemma 2's settings as llama.cpp reads them: sliding and full layers alternate, from a
+    sliding one; the query scale is the head size's, but for the 27B model (46 layers) that of
+    `hidden / heads`, the one it was trained with."""
+    layers = config["num_hidden_layers"]
+    scalar = config["head_dim"]
+    if layers == 46:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "hidden_act": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": meta.int_value("gemma2.attention.sliding_window", 4096),
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": meta.float_value("gemma2.attn_logit_softcapping", None),
+        "final_logit_softcapping": meta.float_value("gemma2.final_logit_softcapping", None),
+    }
 
 
 def _rope_scaling(meta: _Metadata, arch: str, tensors: dict, theta: float, head_dim: int):

@@ -42,7 +42,15 @@ _ARCH_TENSOR_NAMES = {
         "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
         "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     },
+    "gemma2": {
+        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
 }
+# llama.cpp's converter stores Gemma's norm weights plus one, which Hugging Face adds as it
+# computes (`x * (1 + weight)`); jaxlm subtracts it back as it reads them.
+_NORM_PLUS_ONE = frozenset({"gemma2"})
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -79,13 +87,14 @@ class Dequantizer:
     Traced inside the jitted function that casts and places a tensor, it replaces `gguf.quants`'
     numpy code, slower than XLA even with the transposes counted, and gives the same values bit
     for bit (see `docs/performance.md`, "GGUF dequantisation"). `heads` undoes llama.cpp's
-    Q/K row permutation. Equal dequantizers compare equal, so tensors of one kind and shape share an
-    executable.
+    Q/K row permutation, and `shift` is added to the values (see `_NORM_PLUS_ONE`). Equal
+    dequantizers compare equal, so tensors of one kind and shape share an executable.
     """
 
     kind: GGMLQuantizationType
     shape: tuple[int, ...]
     heads: int | None = None
+    shift: float = 0.0
 
     def __call__(self, raw: jax.Array) -> jax.Array:
         if self.kind in _BLOCK_BYTES:
@@ -93,6 +102,8 @@ class Dequantizer:
         else:
             x = raw.astype(jnp.float32)
         x = x.reshape(self.shape)
+        if self.shift:
+            x = x + self.shift
         return x if self.heads is None else unpermute_qk(x, self.heads)
 
     def finite(self, raw: jax.Array, dtype) -> jax.Array | None:
@@ -191,6 +202,13 @@ def _layer_norms(model_type: str) -> tuple[str, ...]:
     """The names of the norms of a layer of `model_type`, each `[hidden]`."""
     if model_type == "olmo2":
         return ("post_attention_layernorm", "post_feedforward_layernorm")
+    if model_type == "gemma2":
+        return (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
     return ("input_layernorm", "post_attention_layernorm")
 
 
