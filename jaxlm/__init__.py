@@ -1,4 +1,4 @@
-"""jaxlm: Llama-family language models in JAX and Flax NNX, with a static memory plan.
+"""jaxlm: decoder language models in JAX and Flax NNX, with a static memory plan.
 
 Example:
     >>> import jaxlm
