@@ -167,13 +167,18 @@ def storage_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
-def write_cache(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
-    """Write `new` into `buf` at `index` along `axis` (in place when `buf` is donated)."""
+def _as_stored(new: jax.Array, buf: jax.Array) -> jax.Array:
+    """`new` in `buf`'s storage dtype (bfloat16 as its uint16 bits)."""
     if buf.dtype == jnp.uint16:
         new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    return new.astype(buf.dtype)
+
+
+def write_cache(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """Write `new` into `buf` at `index` along `axis` (in place when `buf` is donated)."""
     start = [0] * buf.ndim
     start[axis] = index
-    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+    return jax.lax.dynamic_update_slice(buf, _as_stored(new, buf), start)
 
 
 def read_cache(buf: jax.Array) -> jax.Array:
@@ -221,6 +226,46 @@ def write_kv(scratch: dict, k: jax.Array, v: jax.Array, index: jax.Array) -> dic
         "k_cache": write_cache(scratch["k_cache"], k, index, axis=2),
         "v_cache": write_cache(scratch["v_cache"], v, index, axis=1),
     }
+
+
+def paged_kv_shapes(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+    """The shapes of one layer's paged K and V caches: keys `[pages, kv_heads, head_dim,
+    page_size]` and values `[pages, kv_heads, page_size, head_dim]`, so that a sequence's pages
+    gathered in order are `kv_cache_specs`' layouts, and attention reads them as it reads a
+    contiguous cache."""
+    return (
+        (num_pages, num_kv_heads, head_dim, page_size),
+        (num_pages, num_kv_heads, page_size, head_dim),
+    )
+
+
+def write_paged(cache: dict, k: jax.Array, v: jax.Array, slots: jax.Array) -> dict:
+    """`cache`'s `k_pages` and `v_pages` with the keys and values of `R` rows of `C` tokens
+    (`k` `[R * kv_heads, D, C]`, `v` `[R * kv_heads, C, D]`, the cache layouts) written at
+    `slots` `[R, C]`, each `page * page_size + offset` (in place when `cache` is donated)."""
+    k_pages, v_pages = cache["k_pages"], cache["v_pages"]
+    rows, cols = slots.shape
+    kv, d, size = k_pages.shape[1:]
+    page, offset = slots // size, slots % size
+    k = k.reshape(rows, kv, d, cols).transpose(0, 3, 1, 2)  # [R, C, kv, D]
+    v = v.reshape(rows, kv, cols, d).transpose(0, 2, 1, 3)  # [R, C, kv, D]
+    return {
+        "k_pages": k_pages.at[page, :, :, offset].set(_as_stored(k, k_pages)),
+        "v_pages": v_pages.at[page, :, offset, :].set(_as_stored(v, v_pages)),
+    }
+
+
+def gather_pages(cache: dict, table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The keys `[R * kv_heads, D, L]` and values `[R * kv_heads, L, D]` of the pages that
+    `table` `[R, pages_per_seq]` lists for each row, in order: `L = pages_per_seq * page_size`
+    slots, as `attend` takes them."""
+    k_pages, v_pages = cache["k_pages"], cache["v_pages"]
+    rows, per_seq = table.shape
+    kv, d, size = k_pages.shape[1:]
+    k = read_cache(k_pages[table]).transpose(0, 2, 3, 1, 4)  # [R, kv, D, pages, size]
+    v = read_cache(v_pages[table]).transpose(0, 2, 1, 3, 4)  # [R, kv, pages, size, D]
+    length = per_seq * size
+    return k.reshape(rows * kv, d, length), v.reshape(rows * kv, length, d)
 
 
 # Attention.

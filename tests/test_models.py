@@ -146,7 +146,7 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
     calls = [
         eqn.params["jaxpr"]
         for eqn in eqns(jaxpr.jaxpr)
-        if eqn.params.get("name") == "_layer_cached"
+        if eqn.params.get("name") == "_layer"
     ]
     # The decode loop's body runs one step: one call per layer, all to one traced layer.
     assert len(calls) == config.num_hidden_layers > 1

@@ -107,6 +107,12 @@ class Attention(nnx.Module):
         out = ops.attend_cached(q, k, v, mask, end, **self._attend_options())
         return self.o_proj(out), cache
 
+    def forward_paged(self, x, cos, sin, mask, slots, table, cache):
+        q, k, v = self._project(x, cos, sin)
+        cache = ops.write_paged(cache, k, v, slots)
+        out = ops.attend(q, *ops.gather_pages(cache, table), mask, **self._attend_options())
+        return self.o_proj(out), cache
+
 
 class DecoderLayer(nnx.Module):
     """A pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
@@ -144,13 +150,19 @@ class DecoderLayer(nnx.Module):
         )
         return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
 
+    def forward_paged(self, x, cos, sin, mask, slots, table, cache):
+        h, attn = self.self_attn.forward_paged(
+            self._attention_input(x), cos, sin, mask, slots, table, cache["self_attn"]
+        )
+        return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
+
 
 # A jitted layer: the layers share one signature, so a step traces and lowers one layer, not
 # all of them; XLA inlines the calls, and the compiled step is the same (see
 # `docs/performance.md`, "Tracing and dispatch").
-@functools.partial(jax.jit, static_argnums=0)
-def _layer_cached(graphdef, state, x, cos, sin, mask, index, scratch):
-    return nnx.merge(graphdef, state).forward_cached(x, cos, sin, mask, index, scratch)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _layer(method: str, graphdef, state, *args):
+    return getattr(nnx.merge(graphdef, state), method)(*args)
 
 
 class LlamaModel(nnx.Module):
@@ -250,15 +262,40 @@ class LlamaModel(nnx.Module):
             k_slots[None, :] >= start[:, None],
             lambda c: self._rope_once(c, positions),
         )
-        x = self._embed(input_ids)
-        layers = {}
-        for i, layer in enumerate(self.layers):
-            graphdef, state = nnx.split(layer)
-            x, layers[i] = _layer_cached(
-                graphdef, state, x, *inputs[i], index, scratch["layers"][i]
-            )
+        x, layers = self._run_layers("forward_cached", input_ids, inputs, index, scratch)
         new = {"cache_start": start, "cache_index": index + t, "layers": layers}
         return self.norm(x), new
+
+    def _run_layers(self, method: str, input_ids, inputs, *args):
+        """The layers' `method` over `input_ids`'s embeddings, with each layer's `inputs` and
+        its part of the cache (the last of `args`); returns the hidden states and the caches."""
+        *args, cache = args
+        x, layers = self._embed(input_ids), {}
+        for i, layer in enumerate(self.layers):
+            graphdef, state = nnx.split(layer)
+            x, layers[i] = _layer(method, graphdef, state, x, *inputs[i], *args, cache["layers"][i])
+        return x, layers
+
+    def forward_paged(self, input_ids, positions, table, cache):
+        """Rows of tokens `input_ids` `[R, C]` at `positions` (-1: padding), each row's keys and
+        values written into the pages its `table` row lists and attended from them; returns the
+        final hidden states `[hidden, R, C]` and the updated pages."""
+        k_pages = cache["layers"][0]["self_attn"]["k_pages"]
+        size = k_pages.shape[-1]
+        rows, per_seq = table.shape
+        real = positions >= 0
+        at = jnp.maximum(positions, 0)
+        page = jnp.take_along_axis(table, at // size, axis=1)
+        # Padding writes to the padding page (`jaxlm.batching.pages.PADDING_PAGE`).
+        slots = jnp.where(real, page * size + at % size, 0)
+        k_pos = jnp.broadcast_to(
+            jnp.arange(per_seq * size, dtype=jnp.int32), (rows, per_seq * size)
+        )
+        inputs = self._layer_inputs(
+            positions, k_pos, jnp.ones(k_pos.shape, bool), lambda c: self._rope_once(c, positions)
+        )
+        x, layers = self._run_layers("forward_paged", input_ids, inputs, slots, table, cache)
+        return self.norm(x), {"layers": layers}
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -328,3 +365,17 @@ class LlamaForCausalLM(nnx.Module):
         """
         x, new = self.model.forward_cached(input_ids, scratch["model"])
         return self._logits(x[..., -1] if last_only else x), {**scratch, "model": new}
+
+    def forward_paged(self, input_ids, positions, table, cache):
+        """Logits `[R, C, vocab]` of rows of tokens over a paged KV cache, and the cache.
+
+        Row `r` holds a sequence's tokens `input_ids[r]` at `positions[r]` (-1 for padding, at
+        the end); their keys and values go to the pages `table[r]` lists (a position `p` to
+        slot `p % page_size` of page `table[r, p // page_size]`), and each attends over its
+        row's pages up to its own position. Rows may be at different positions and hold
+        different numbers of tokens: prompt chunks and single decode tokens in one call.
+        `cache` is `{"layers": {i: {"self_attn": {"k_pages", "v_pages"}}}}`, shaped by
+        `jaxlm.ops.paged_kv_shapes`.
+        """
+        x, new = self.model.forward_paged(input_ids, positions, table, cache)
+        return self._logits(x), new

@@ -1,0 +1,79 @@
+"""The paged forward: rows of prompt chunks and decode tokens over a paged KV cache, against
+transformers on each sequence alone."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import make_hf_model
+from flax import nnx
+
+# The fixture of `tests/test_families.py`: a tiny saved model of each family beyond Llama.
+from test_families import family as family
+
+import jaxlm
+from jaxlm import ops
+
+PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 5, 24
+LENGTHS = [13, 6, 17]
+# Each call's tokens per row: rows prefill in chunks, decode one token, or sit out (0).
+SCHEDULE = [[5, 1, 8], [8, 5, 1], [0, 0, 8]]
+
+
+def paged_cache(model) -> dict:
+    c = model.config
+    k, v = ops.paged_kv_shapes(NUM_PAGES, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
+    dtype = ops.storage_dtype(model.dtype)
+    layer = {"self_attn": {"k_pages": jnp.zeros(k, dtype), "v_pages": jnp.zeros(v, dtype)}}
+    return {"layers": {i: jax.tree.map(jnp.copy, layer) for i in range(c.num_hidden_layers)}}
+
+
+def assert_paged_rows_equal_each_sequence_alone(model, hf):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, model.config.vocab_size, n) for n in LENGTHS]
+    # Each row's pages, scattered over the cache; page 0 pads and belongs to no row.
+    table = rng.permutation(np.arange(1, NUM_PAGES))[: len(LENGTHS) * PAGES_PER_SEQ]
+    table = jnp.asarray(table.reshape(len(LENGTHS), PAGES_PER_SEQ), jnp.int32)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(
+        lambda state, *args: nnx.merge(graphdef, state).forward_paged(*args), donate_argnums=4
+    )
+    cache = paged_cache(model)
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
+    done = [0] * len(LENGTHS)
+    got = [[] for _ in LENGTHS]
+    for counts in SCHEDULE:
+        width = max(counts)
+        ids = np.zeros((len(LENGTHS), width), np.int32)
+        positions = np.full((len(LENGTHS), width), -1, np.int32)
+        for r, n in enumerate(counts):
+            ids[r, :n] = seqs[r][done[r] : done[r] + n]
+            positions[r, :n] = np.arange(done[r], done[r] + n)
+        logits, cache = step(state, jnp.asarray(ids), jnp.asarray(positions), table, cache)
+        for r, n in enumerate(counts):
+            got[r].extend(np.asarray(logits[r, :n]))
+            done[r] += n
+    assert done == LENGTHS
+    # The pages were updated in place.
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)] == pointers
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            expected = hf(torch.tensor(seq[None])).logits[0].numpy()
+        np.testing.assert_allclose(np.stack(got[r]), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa4", "mistral_window", "qwen3"])
+def test_paged_rows_equal_each_sequence_alone(tmp_path, name):
+    hf = make_hf_model(tmp_path, name)
+    model, _ = jaxlm.load(tmp_path)
+    assert_paged_rows_equal_each_sequence_alone(model, hf)
+
+
+def test_every_family_runs_paged(family):
+    # `family` is `tests/test_families.py`'s fixture: a tiny model of each other family.
+    _, path, hf = family
+    model, _ = jaxlm.load(path)
+    assert_paged_rows_equal_each_sequence_alone(model, hf)
