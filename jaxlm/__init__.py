@@ -13,7 +13,7 @@ from jaxlm.errors import JaxlmError, LoadError, PlanError
 from jaxlm.generate import GenerationResult, chat, generate, stream
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
-from jaxlm.models.gemma import Gemma2ForCausalLM
+from jaxlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from jaxlm.models.llama import LlamaForCausalLM
 from jaxlm.models.olmo2 import Olmo2ForCausalLM
 from jaxlm.planner import Plan, plan
@@ -23,6 +23,7 @@ from jaxlm.tokenizer import Tokenizer
 __all__ = [
     "CompileCounter",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "GenerationResult",
     "JaxlmError",
     "LlamaForCausalLM",

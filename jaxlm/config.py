@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxlm.errors import LoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -28,7 +28,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Configuration of a decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3, OLMo 2, Gemma 2.
+    """Configuration of a decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3, OLMo 2, Gemma 2
+    and 3.
 
     Field names are the keys of a Hugging Face `config.json`. Build one with `from_hf_config`.
     """
@@ -58,6 +59,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 3: the RoPE base of the sliding layers, which take no scaling; the full layers use
+    # `rope_theta` and `rope_scaling`.
+    rope_local_base_freq: float | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -143,7 +147,10 @@ class ModelConfig:
         missing = [key for key in required if key not in config]
         if missing:
             raise LoadError("the model config lacks " + ", ".join(f"`{k}`" for k in missing))
-        gemma = model_type == "gemma2"
+        gemma = model_type in ("gemma2", "gemma3_text")
+        gemma3 = model_type == "gemma3_text"
+        if gemma3 and config.get("use_bidirectional_attention"):
+            raise LoadError("Gemma 3 `use_bidirectional_attention` is not supported")
         if gemma:
             # transformers' default where a config leaves it out.
             config = {"query_pre_attn_scalar": 256, **config}
@@ -160,20 +167,28 @@ class ModelConfig:
         head_dim = config.get("head_dim") or _int_div(
             _positive_int(config["hidden_size"], "hidden_size"), heads, "hidden_size"
         )
+        local_theta = None
+        if gemma3:
+            config, local_theta = _gemma3_rope(config)
         rope_theta, scaling = _rope_settings(config)
         if model_type == "qwen2" and config.get("use_sliding_window"):
             raise LoadError("Qwen2 `use_sliding_window` is not supported")
         if model_type == "qwen3" and config.get("use_sliding_window"):
             raise LoadError("Qwen3 `use_sliding_window` is not supported")
-        sliding_window = (
-            config.get("sliding_window") if model_type in ("mistral", "gemma2") else None
-        )
+        sliding_window = config.get("sliding_window") if model_type == "mistral" or gemma else None
         layer_types = config.get("layer_types")
         if gemma and layer_types is None:
-            # transformers' default: sliding and full attention alternate, from a sliding one.
+            # transformers' default: every `sliding_window_pattern`-th layer is full, the others
+            # sliding (Gemma 2 alternates them).
             layers = _positive_int(config["num_hidden_layers"], "num_hidden_layers")
+            pattern = 2
+            if gemma3:
+                pattern = _positive_int(
+                    _default(config, "sliding_window_pattern", 6), "sliding_window_pattern"
+                )
             layer_types = [
-                ("full_attention", "sliding_attention")[(i + 1) % 2] for i in range(layers)
+                ("full_attention", "sliding_attention")[bool((i + 1) % pattern)]
+                for i in range(layers)
             ]
         if layer_types is not None and not isinstance(layer_types, list):
             raise LoadError(f"`layer_types` must be a list, got {layer_types!r}")
@@ -195,12 +210,16 @@ class ModelConfig:
             tie_word_embeddings=_bool(config, "tie_word_embeddings"),
             attention_bias=model_type == "qwen2" or _bool(config, "attention_bias"),
             mlp_bias=_bool(config, "mlp_bias"),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=sliding_window,
             layer_types=None if layer_types is None else tuple(layer_types),
             query_pre_attn_scalar=_optional_number(config, "query_pre_attn_scalar", gemma),
-            attn_logit_softcapping=_optional_number(config, "attn_logit_softcapping", gemma),
+            # transformers' Gemma 3 leaves `attn_logit_softcapping` out of its attention.
+            attn_logit_softcapping=_optional_number(
+                config, "attn_logit_softcapping", model_type == "gemma2"
+            ),
             final_logit_softcapping=_optional_number(config, "final_logit_softcapping", gemma),
+            rope_local_base_freq=local_theta,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
         )
@@ -230,7 +249,7 @@ class ModelConfig:
         if self.model_type == "olmo2":
             attn += q + kv  # q and k norms over all heads
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        layer = attn + mlp + (4 if self.model_type == "gemma2" else 2) * h
+        layer = attn + mlp + (4 if self.model_type in ("gemma2", "gemma3_text") else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
@@ -282,6 +301,34 @@ def _optional_number(config: dict[str, Any], name: str, read: bool) -> float | N
     if not value > 0:
         raise LoadError(f"`{name}` must be positive, got {value!r}")
     return value
+
+
+def _gemma3_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's RoPE: `config` with the full layers' settings where `_rope_settings` reads
+    them, and the sliding layers' base, from transformers 5's `rope_parameters` keyed by layer
+    type or from the older `rope_theta`, `rope_scaling` and `rope_local_base_freq`."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
+        sliding = params.get("sliding_attention") or {}
+        full = params.get("full_attention") or {"rope_type": "default"}
+        for name, value in (("sliding_attention", sliding), ("full_attention", full)):
+            if not isinstance(value, dict):
+                raise LoadError(f"`rope_parameters.{name}` must be a JSON object, got {value!r}")
+        if sliding.get("rope_type", "default") != "default":
+            raise LoadError(
+                "unsupported `rope_parameters.sliding_attention.rope_type` "
+                f"{sliding['rope_type']!r}; only `default`"
+            )
+        local = sliding.get("rope_theta", 10000.0)
+        full = {"rope_type": "default", "rope_theta": _default(config, "rope_theta", 1e6), **full}
+        config = {**config, "rope_parameters": full}
+    else:
+        local = _default(config, "rope_local_base_freq", 10000.0)
+        config = {**config, "rope_theta": _default(config, "rope_theta", 1e6)}
+    local = _number(local, "rope_local_base_freq")
+    if not local > 0:
+        raise LoadError(f"`rope_local_base_freq` must be positive, got {local!r}")
+    return config, local
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:

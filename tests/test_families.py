@@ -52,7 +52,7 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
         ),
         arch=gguf.MODEL_ARCH.GEMMA2,
-        # llama.cpp scales Gemma 2's queries by the head size (see `_gemma2_settings`).
+        # llama.cpp scales Gemma 2's queries by the head size (see `_gemma_settings`).
         gguf_reference=dict(query_pre_attn_scalar=16),
         gguf_metadata=lambda writer, config: (
             writer.add_sliding_window(config.sliding_window),
@@ -60,6 +60,33 @@ FAMILIES = {
             writer.add_final_logit_softcapping(config.final_logit_softcapping),
         ),
         # llama.cpp's converter stores Gemma's norm weights plus one.
+        gguf_norm_shift=1.0,
+    ),
+    # Six layers, for llama.cpp's pattern of five sliding layers and a full one; the sliding
+    # layers' RoPE base far from the full layers', whose rotation is also scaled.
+    "gemma3": dict(
+        config="Gemma3TextConfig",
+        model="Gemma3ForCausalLM",
+        tiny=dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=20,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+            },
+        ),
+        arch=gguf.MODEL_ARCH.GEMMA3,
+        gguf_reference=dict(query_pre_attn_scalar=16),
+        gguf_metadata=lambda writer, config: (
+            writer.add_sliding_window(config.sliding_window),
+            writer.add_rope_freq_base_swa(
+                config.rope_parameters["sliding_attention"]["rope_theta"]
+            ),
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+            writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"]),
+        ),
         gguf_norm_shift=1.0,
     ),
 }
@@ -97,6 +124,32 @@ FULL_SIZE = {
             final_logit_softcapping=30.0,
             tie_word_embeddings=True,
             max_position_embeddings=8192,
+        ),
+    ),
+    # As its `config.json` on the Hub writes it, with the RoPE settings from before
+    # transformers 5.
+    "gemma-3-1b": (
+        999_885_952,
+        dict(
+            model_type="gemma3_text",
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling=None,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
         ),
     ),
 }
@@ -152,7 +205,8 @@ def write_family_gguf(path, name, hf):
         heads=config.num_attention_heads,
         kv_heads=config.num_key_value_heads,
         eps=config.rms_norm_eps,
-        theta=config.rope_parameters["rope_theta"],
+        # Gemma 3's per-layer-type settings: the file's base is the full layers'.
+        theta=config.rope_parameters.get("full_attention", config.rope_parameters)["rope_theta"],
         vocab=config.vocab_size,
         head_dim=None if head_dim == config.hidden_size // config.num_attention_heads else head_dim,
     )
@@ -227,3 +281,39 @@ def test_gemma2_refuses_another_activation():
     config = dict(FULL_SIZE["gemma-2-2b"][1], hidden_activation="gelu")
     with pytest.raises(jaxlm.LoadError, match="`hidden_activation`"):
         ModelConfig.from_hf_config(config)
+
+
+def test_gemma3_reads_each_layer_types_rope():
+    _, hf_config = FULL_SIZE["gemma-3-1b"]
+    config = ModelConfig.from_hf_config(hf_config)
+    assert (config.rope_theta, config.rope_local_base_freq) == (1e6, 1e4)
+    assert (
+        config.layer_types
+        == (("sliding_attention",) * 5 + ("full_attention",)) * 4 + ("sliding_attention",) * 2
+    )
+    # transformers 5 writes the same settings keyed by layer type.
+    new = transformers.Gemma3TextConfig(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 7.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 9.0},
+        }
+    ).to_dict()
+    config = ModelConfig.from_hf_config(new)
+    assert (config.rope_theta, config.rope_local_base_freq) == (9.0, 7.0)
+    assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("linear", 8.0)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(use_bidirectional_attention=True), "`use_bidirectional_attention`"),
+        (
+            dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+            "`rope_parameters.sliding_attention.rope_type`",
+        ),
+        (dict(hidden_activation="gelu"), "`hidden_activation`"),
+    ],
+)
+def test_gemma3_refuses_unimplemented_settings(change, field):
+    with pytest.raises(jaxlm.LoadError, match=field):
+        ModelConfig.from_hf_config(dict(FULL_SIZE["gemma-3-1b"][1], **change))

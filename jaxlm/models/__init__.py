@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxlm.config import ModelConfig
-from jaxlm.models.gemma import Gemma2ForCausalLM
+from jaxlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from jaxlm.models.llama import LlamaForCausalLM
 from jaxlm.models.olmo2 import Olmo2ForCausalLM
 
@@ -15,6 +15,7 @@ MODEL_CLASSES = {
     "qwen3": LlamaForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

@@ -125,7 +125,8 @@ class GGUFCheckpoint:
 
 
 def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
-    """Open a llama.cpp GGUF model file (Llama, Qwen2, Qwen3, OLMo 2 or Gemma 2 architecture).
+    """Open a llama.cpp GGUF model file (Llama, Qwen2, Qwen3, OLMo 2, Gemma 2 or Gemma 3
+    architecture).
 
     Parses the metadata into a Hugging Face style config and a tokenizer, maps the tensor names
     to Hugging Face's and checks every tensor's shape; tensor data is read by

@@ -19,6 +19,7 @@ _ARCHITECTURES = {
     "qwen3": "qwen3",
     "olmo2": "olmo2",
     "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
 }
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -26,6 +27,7 @@ _HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # llama.cpp's converter permutes the Q and K rows of these architectures only.
 _PERMUTED_QK = frozenset({"llama"})
@@ -102,25 +104,39 @@ def _config(meta: _Metadata, arch: str, tensors: dict, tokens: list | None) -> d
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": False,
     }
-    if arch == "gemma2":
-        config |= _gemma2_settings(meta, config)
+    if arch in _GEMMA:
+        config |= _gemma_settings(meta, arch, config)
     return config
 
 
-def _gemma2_settings(meta: _Metadata, config: dict) -> dict:
-    """Gemma 2's settings as llama.cpp reads them: sliding and full layers alternate, from a
-    sliding one; the query scale is the head size's, but for the 27B model (46 layers) that of
-    `hidden / heads`, the one it was trained with."""
+# For each Gemma architecture, the layers of its 27B model and every how many layers one is full.
+_GEMMA = {"gemma2": (46, 2), "gemma3": (62, 6)}
+
+
+def _gemma_settings(meta: _Metadata, arch: str, config: dict) -> dict:
+    """Gemma's settings as llama.cpp reads them: each pattern's last layer full, the others
+    sliding; the query scale is the head size's, but for the 27B models that of `hidden /
+    heads`, the one they were trained with. Gemma 3's sliding layers rotate with their own base
+    and no soft-caps."""
     layers = config["num_hidden_layers"]
+    large, pattern = _GEMMA[arch]
     scalar = config["head_dim"]
-    if layers == 46:
+    if layers == large:
         scalar = config["hidden_size"] // config["num_attention_heads"]
-    return {
+    settings = {
         "hidden_act": None,
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": meta.int_value("gemma2.attention.sliding_window", 4096),
-        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "sliding_window": meta.int_value(f"{arch}.attention.sliding_window", 4096),
+        "layer_types": [
+            ("full_attention", "sliding_attention")[bool((i + 1) % pattern)] for i in range(layers)
+        ],
         "query_pre_attn_scalar": scalar,
+    }
+    if arch == "gemma3":
+        return settings | {
+            "rope_local_base_freq": meta.float_value("gemma3.rope.freq_base_swa", 10000.0)
+        }
+    return settings | {
         "attn_logit_softcapping": meta.float_value("gemma2.attn_logit_softcapping", None),
         "final_logit_softcapping": meta.float_value("gemma2.final_logit_softcapping", None),
     }

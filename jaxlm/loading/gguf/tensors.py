@@ -48,9 +48,10 @@ _ARCH_TENSOR_NAMES = {
         "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     },
 }
-# llama.cpp's converter stores Gemma's norm weights plus one, which Hugging Face adds as it
-# computes (`x * (1 + weight)`); jaxlm subtracts it back as it reads them.
-_NORM_PLUS_ONE = frozenset({"gemma2"})
+_ARCH_TENSOR_NAMES["gemma3"] = _ARCH_TENSOR_NAMES["gemma2"]
+# llama.cpp's converter stores Gemma's norm weights plus one (q and k norms too), which Hugging
+# Face adds as it computes (`x * (1 + weight)`); jaxlm subtracts it back as it reads them.
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -202,7 +203,7 @@ def _layer_norms(model_type: str) -> tuple[str, ...]:
     """The names of the norms of a layer of `model_type`, each `[hidden]`."""
     if model_type == "olmo2":
         return ("post_attention_layernorm", "post_feedforward_layernorm")
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gemma3_text"):
         return (
             "input_layernorm",
             "post_attention_layernorm",
@@ -245,7 +246,7 @@ def _check_tensors(path: pathlib.Path, arch: str, config: dict, tensors: dict) -
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "gemma3_text"):
             expected[p + "self_attn.q_norm.weight"] = (head_dim,)
             expected[p + "self_attn.k_norm.weight"] = (head_dim,)
         if model_type == "olmo2":
