@@ -143,11 +143,7 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
                     if isinstance(sub, jax.extend.core.ClosedJaxpr):
                         yield from eqns(sub.jaxpr)
 
-    calls = [
-        eqn.params["jaxpr"]
-        for eqn in eqns(jaxpr.jaxpr)
-        if eqn.params.get("name") == "_layer"
-    ]
+    calls = [eqn.params["jaxpr"] for eqn in eqns(jaxpr.jaxpr) if eqn.params.get("name") == "_layer"]
     # The decode loop's body runs one step: one call per layer, all to one traced layer.
     assert len(calls) == config.num_hidden_layers > 1
     assert len({id(c) for c in calls}) == 1
