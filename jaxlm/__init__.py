@@ -7,6 +7,7 @@ Example:
     >>> out.texts[0]
 """
 
+from jaxlm.batching.engine import LLMEngine, RequestHandle, RequestOutput
 from jaxlm.config import ModelConfig
 from jaxlm.diagnostics import CompileCounter
 from jaxlm.errors import JaxlmError, LoadError, PlanError
@@ -26,12 +27,15 @@ __all__ = [
     "Gemma3ForCausalLM",
     "GenerationResult",
     "JaxlmError",
+    "LLMEngine",
     "LlamaForCausalLM",
     "LoadError",
     "ModelConfig",
     "Olmo2ForCausalLM",
     "Plan",
     "PlanError",
+    "RequestHandle",
+    "RequestOutput",
     "ScratchSpec",
     "ShardingError",
     "Tokenizer",

@@ -366,8 +366,9 @@ class LlamaForCausalLM(nnx.Module):
         x, new = self.model.forward_cached(input_ids, scratch["model"])
         return self._logits(x[..., -1] if last_only else x), {**scratch, "model": new}
 
-    def forward_paged(self, input_ids, positions, table, cache):
-        """Logits `[R, C, vocab]` of rows of tokens over a paged KV cache, and the cache.
+    def forward_paged(self, input_ids, positions, table, cache, last=None):
+        """Logits `[R, C, vocab]` of rows of tokens over a paged KV cache, and the cache; with
+        `last` `[R]`, only those of column `last[r]` of each row (`[R, vocab]`).
 
         Row `r` holds a sequence's tokens `input_ids[r]` at `positions[r]` (-1 for padding, at
         the end); their keys and values go to the pages `table[r]` lists (a position `p` to
@@ -378,4 +379,6 @@ class LlamaForCausalLM(nnx.Module):
         `jaxlm.ops.paged_kv_shapes`.
         """
         x, new = self.model.forward_paged(input_ids, positions, table, cache)
+        if last is not None:
+            x = jnp.take_along_axis(x, last[None, :, None], axis=2)[..., 0]  # [hidden, R]
         return self._logits(x), new

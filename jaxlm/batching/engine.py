@@ -1,0 +1,415 @@
+"""`LLMEngine`: continuous batching of a model's requests over a paged KV cache.
+
+A thread of the engine's own runs steps while requests come and go: `Scheduler.schedule()`
+picks each step's decode tokens and prompt chunks, one jitted call runs them over the pages
+(`forward_paged`), samples the next token of every sequence that has reached its end, and
+returns the pages updated in place. Requests join at the next step and leave when they stop,
+so none waits for another to finish.
+
+Every step has `max_num_seqs` rows of `C` tokens, `C` one of a few buckets (1 when every row
+decodes), all compiled when the engine starts: serving never compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm import ops, sampling
+from jaxlm.batching.pages import PagePool
+from jaxlm.batching.scheduler import Batch, Scheduler, SequenceState
+from jaxlm.engine import SAMPLING_FIELDS, weights_bytes
+from jaxlm.memory import ExecutableMemory, format_bytes
+from jaxlm.requests import Detokenizer, cut_at_stop, parse_request
+from jaxlm.sharding import mesh_of
+
+_DONE = object()
+_SAMPLING_DTYPES = {"top_k": np.int32}
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A finished request: its text (None without a tokenizer), token ids and why it ended
+    (`"stop"`, `"length"` or `"cancelled"`)."""
+
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its text as it is generated, or wait for `result()`.
+
+    Example:
+        >>> handle = engine.submit("Once upon a time", max_new_tokens=32)
+        >>> for piece in handle:
+        ...     print(piece, end="")
+        >>> handle.result().finish_reason
+    """
+
+    def __init__(self, engine: LLMEngine, seq: SequenceState, req, tokenizer):
+        self._engine = engine
+        self.seq = seq
+        self._req = req
+        self._tokenizer = tokenizer
+        self._pieces: queue.Queue = queue.Queue()
+        self._detokenizer = Detokenizer(tokenizer, req.stop) if tokenizer is not None else None
+        self._done = threading.Event()
+        self._result: RequestOutput | None = None
+        self._error: BaseException | None = None
+
+    def _tokens(self) -> list[int]:
+        ids = list(self.seq.output)
+        if ids and ids[-1] in self._req.stop_ids:
+            ids.pop()
+        return ids
+
+    def _step(self, finished: bool) -> bool:
+        """Take the sequence's new tokens; whether a stop string ended it."""
+        if self._detokenizer is None:
+            if finished:
+                self._finish(None, self._tokens(), self.seq.finish_reason)
+            return False
+        ids = self._tokens()
+        piece = self._detokenizer.update(ids, final=finished)
+        if piece:
+            self._pieces.put(piece)
+        stopped = self._detokenizer.finished and not finished
+        if finished or stopped:
+            text, ids, cut = cut_at_stop(self._tokenizer, ids, self._req.stop)
+            self._finish(text, ids, "stop" if cut or stopped else self.seq.finish_reason)
+        return stopped
+
+    def _finish(self, text, ids, reason) -> None:
+        self._result = RequestOutput(text, ids, reason, list(self.seq.prompt))
+        self._pieces.put(_DONE)
+        self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._pieces.put(_DONE)
+        self._done.set()
+
+    def __iter__(self) -> Iterator[str]:
+        while (piece := self._pieces.get()) is not _DONE:
+            yield piece
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the request did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop the request at the next step; its slot and pages are freed."""
+        self._engine._cancel(self)
+
+
+class LLMEngine:
+    """Serve a model's requests by continuous batching over a paged KV cache.
+
+    `max_num_seqs` sequences run at once, each up to `max_seq_len` tokens in pages of
+    `page_size`; `num_pages` pages in all (page 0 pads), or as many as `budget` leaves beside
+    the weights and the steps' temporaries. A step runs at most `max_num_batched_tokens` tokens.
+
+    Example:
+        >>> engine = jaxlm.LLMEngine(model, tokenizer, max_num_seqs=4, budget="1GiB")
+        >>> handles = [engine.submit(p, max_new_tokens=32) for p in prompts]
+        >>> [h.result().text for h in handles]
+        >>> engine.close()
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_num_seqs: int = 4,
+        max_seq_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        budget: int | str | None = None,
+        max_num_batched_tokens: int = 256,
+        prefix_cache: bool = True,
+        max_queue: int = 1024,
+    ):
+        from jaxlm.memory import parse_bytes
+
+        if (num_pages is None) == (budget is None):
+            raise ValueError("give one of `num_pages` and `budget`")
+        if mesh_of(nnx.state(model)) is not None:
+            raise ValueError(
+                "`LLMEngine` runs a model on one device; load it without `mesh` (a sharded "
+                "or multi-host engine is not built yet)"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        config = model.config
+        max_seq_len = max_seq_len or config.max_position_embeddings
+        self.page_size = page_size
+        self.pages_per_seq = -(-max_seq_len // page_size)
+        self.max_num_seqs = max_num_seqs
+        self.buckets = _buckets(max_num_batched_tokens)
+        self._graphdef, self._state = nnx.split(model)
+        self._step = jax.jit(self._run, donate_argnums=1)
+        if budget is not None:
+            limit = parse_bytes(budget)
+            num_pages = self._pages_within(limit)
+        self.compiled = self._compile(num_pages)
+        self.executables = {c: ExecutableMemory.of(f"C={c}", e) for c, e in self.compiled.items()}
+        self.weights_bytes = weights_bytes(model)
+        self.pages_bytes = num_pages * self._page_bytes()
+        if budget is not None and self.total_bytes > limit:
+            raise ValueError(
+                f"`budget` {format_bytes(limit)} leaves no room for the steps: "
+                f"{format_bytes(self.total_bytes)} with {num_pages} pages"
+            )
+        self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            pages_per_seq=self.pages_per_seq,
+            max_queue=max_queue,
+        )
+        self.pages = jax.jit(lambda: self._zeros(num_pages))()
+        self.steps = 0
+        self.prefill_tokens = 0
+        self._handles: dict[int, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="jaxlm-engine", daemon=True)
+        self._thread.start()
+
+    # Memory.
+
+    def _page_bytes(self) -> int:
+        c = self.model.config
+        k, _ = ops.paged_kv_shapes(1, self.page_size, c.num_key_value_heads, c.head_dim)
+        itemsize = ops.storage_dtype(self.model.dtype).itemsize
+        return 2 * c.num_hidden_layers * int(np.prod(k)) * itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole bill: the peak of the most demanding step, weights and pages included."""
+        return max(e.peak for e in self.executables.values())
+
+    def _pages_within(self, limit: int) -> int:
+        # The pages are the only part of the bill that grows with their number: compile once
+        # with two pages and give the pages what the rest leaves.
+        probe = self._compile(2)
+        rest = max(ExecutableMemory.of("probe", e).peak for e in probe.values())
+        pages = 2 + (limit - rest) // self._page_bytes()
+        if pages < 2:
+            raise ValueError(
+                f"`budget` {format_bytes(limit)} is below the bill without pages, "
+                f"{format_bytes(rest)}"
+            )
+        return pages
+
+    def _zeros(self, num_pages: int) -> dict:
+        c = self.model.config
+        k, v = ops.paged_kv_shapes(num_pages, self.page_size, c.num_key_value_heads, c.head_dim)
+        dtype = ops.storage_dtype(self.model.dtype)
+        layer = lambda: {
+            "self_attn": {"k_pages": jnp.zeros(k, dtype), "v_pages": jnp.zeros(v, dtype)}
+        }
+        return {"layers": {i: layer() for i in range(c.num_hidden_layers)}}
+
+    def _compile(self, num_pages: int) -> dict:
+        pages = jax.eval_shape(lambda: self._zeros(num_pages))
+        sds = jax.ShapeDtypeStruct
+        rows = self.max_num_seqs
+        out = {}
+        for c in self.buckets:
+            args = (
+                sds((rows, c), jnp.int32),
+                sds((rows, c), jnp.int32),
+                sds((rows, self.pages_per_seq), jnp.int32),
+                sds((rows,), jnp.int32),
+                {
+                    n: sds((rows,), jnp.int32 if n == "top_k" else jnp.float32)
+                    for n in SAMPLING_FIELDS
+                },
+                sds((rows, 2), jnp.uint32),
+                sds((rows,), jnp.int32),
+            )
+            out[c] = self._step.lower(self._state, pages, *args).compile()
+        return out
+
+    # The step.
+
+    def _run(self, state, pages, ids, positions, table, last, params, keys, generated):
+        model = nnx.merge(self._graphdef, state)
+        logits, pages = model.forward_paged(ids, positions, table, pages, last=last)
+        # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
+        keys = jax.vmap(jax.random.fold_in)(keys, generated)
+        token = sampling.sample(
+            logits, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
+        )
+        return pages, token
+
+    def _inputs(self, batch: Batch) -> tuple[int, tuple]:
+        rows = self.max_num_seqs
+        width = next(c for c in self.buckets if c >= max(len(c.tokens) for c in batch.chunks))
+        ids = np.zeros((rows, width), np.int32)
+        positions = np.full((rows, width), -1, np.int32)
+        table = np.zeros((rows, self.pages_per_seq), np.int32)
+        last = np.zeros((rows,), np.int32)
+        params = {
+            n: np.zeros((rows,), np.int32 if n == "top_k" else np.float32) for n in SAMPLING_FIELDS
+        }
+        params["top_p"][:] = 1.0
+        keys = np.zeros((rows, 2), np.uint32)
+        generated = np.zeros((rows,), np.int32)
+        for chunk in batch.chunks:
+            seq, n = chunk.seq, len(chunk.tokens)
+            r = seq.slot
+            ids[r, :n] = chunk.tokens
+            positions[r, :n] = np.arange(chunk.start, chunk.start + n)
+            table[r, : len(seq.pages)] = seq.pages
+            last[r] = n - 1
+            req = self._handles[seq.id]._req
+            for name in SAMPLING_FIELDS:
+                params[name][r] = req.sampling[name][0]
+            # The key of a one-prompt `generate`'s only row.
+            keys[r] = (req.seed & 0xFFFFFFFF, 0)
+            generated[r] = len(seq.output)
+        return width, (ids, positions, table, last, params, keys, generated)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._closed:
+                    return
+                batch = self.scheduler.schedule()
+                if not batch.chunks:
+                    continue
+                width, inputs = self._inputs(batch)
+            try:
+                self.pages, tokens = self.compiled[width](self._state, self.pages, *inputs)
+                tokens = np.asarray(tokens)
+            except BaseException as error:  # the engine cannot go on: fail every request
+                self._fail_all(error)
+                return
+            with self._wake:
+                self.steps += 1
+                self.prefill_tokens += sum(
+                    max(0, min(c.start + len(c.tokens), len(c.seq.prompt)) - c.start)
+                    for c in batch.chunks
+                )
+                sampled = {c.seq.id: int(tokens[c.seq.slot]) for c in batch.chunks if c.sample}
+                stop = {i: t in self._handles[i]._req.stop_ids for i, t in sampled.items()}
+                finished = {s.id for s in self.scheduler.update(batch, sampled, stop)}
+                for i in sampled:
+                    handle = self._handles.get(i)
+                    if handle is None:  # cancelled while the step ran
+                        continue
+                    if handle._step(i in finished):
+                        self.scheduler.cancel(handle.seq)
+                    if handle._done.is_set():
+                        del self._handles[i]
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._wake:
+            for handle in self._handles.values():
+                handle._fail(error)
+            self._handles.clear()
+            self._closed = True
+
+    # Requests.
+
+    def submit(
+        self,
+        prompt,
+        *,
+        max_new_tokens: int,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        repetition_penalty=None,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> RequestHandle:
+        """Queue one request (a string or token ids); returns its handle at once. The arguments
+        are `jaxlm.generate`'s, for one prompt; a bad one raises `ValueError` here."""
+        if repetition_penalty not in (None, 1, 1.0):
+            raise ValueError("`repetition_penalty` is not supported by `LLMEngine` yet")
+        req = parse_request(
+            self.model,
+            self.tokenizer,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=None,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            stop=stop,
+            plan=None,
+        )
+        if len(req.prompts) != 1:
+            raise ValueError("`submit` takes one prompt; submit each of several on its own")
+        req.stop_ids = frozenset(int(t) for t in req.stop_ids if t >= 0)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            seq = self.scheduler.submit(req.prompts[0], max_new_tokens)
+            handle = self._handles[seq.id] = RequestHandle(self, seq, req, self.tokenizer)
+            self._wake.notify()
+        return handle
+
+    def generate(self, prompts: Sequence, **kwargs) -> list[RequestOutput]:
+        """Submit every prompt and wait for all: `[handle.result() ...]` in their order."""
+        handles = [self.submit(p, **kwargs) for p in prompts]
+        return [h.result() for h in handles]
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._wake:
+            if not handle._done.is_set():
+                self.scheduler.cancel(handle.seq)
+                handle._step(True)
+                self._handles.pop(handle.seq.id, None)
+
+    def close(self) -> None:
+        """Stop the engine's thread; requests still running end as cancelled."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+        for handle in list(self._handles.values()):
+            self.scheduler.cancel(handle.seq)
+            handle._step(True)
+        self._handles.clear()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _buckets(max_tokens: int) -> tuple[int, ...]:
+    """The steps' token widths: 1 (decode only), then powers of four up to `max_tokens`."""
+    widths, c = [1], 16
+    while c < max_tokens:
+        widths.append(c)
+        c *= 4
+    return (*widths, max_tokens) if max_tokens > 1 else (1,)
