@@ -239,16 +239,23 @@ def paged_kv_shapes(num_pages: int, page_size: int, num_kv_heads: int, head_dim:
     )
 
 
-def write_paged(cache: dict, k: jax.Array, v: jax.Array, slots: jax.Array) -> dict:
-    """`cache`'s `k_pages` and `v_pages` with the keys and values of `R` rows of `C` tokens
-    (`k` `[R * kv_heads, D, C]`, `v` `[R * kv_heads, C, D]`, the cache layouts) written at
-    `slots` `[R, C]`, each `page * page_size + offset` (in place when `cache` is donated)."""
+def write_paged(cache: dict, groups) -> dict:
+    """`cache`'s `k_pages` and `v_pages` with the keys and values of every group of `groups`
+    written, in one update each (in place when `cache` is donated).
+
+    A group is `(k, v, slots)`: the keys `[R * kv_heads, D, C]` and values `[R * kv_heads, C,
+    D]` of `R` rows of `C` tokens (the cache layouts) and their slots `[R, C]`, each `page *
+    page_size + offset`. Two updates of a page array in one step made XLA copy it whole."""
     k_pages, v_pages = cache["k_pages"], cache["v_pages"]
-    rows, cols = slots.shape
     kv, d, size = k_pages.shape[1:]
+    ks, vs, slots = [], [], []
+    for k, v, where in groups:
+        rows, cols = where.shape
+        ks.append(k.reshape(rows, kv, d, cols).transpose(0, 3, 1, 2).reshape(-1, kv, d))
+        vs.append(v.reshape(rows, kv, cols, d).transpose(0, 2, 1, 3).reshape(-1, kv, d))
+        slots.append(where.reshape(-1))
+    k, v, slots = (jnp.concatenate(a) for a in (ks, vs, slots))  # [N, kv, D], [N]
     page, offset = slots // size, slots % size
-    k = k.reshape(rows, kv, d, cols).transpose(0, 3, 1, 2)  # [R, C, kv, D]
-    v = v.reshape(rows, kv, cols, d).transpose(0, 2, 1, 3)  # [R, C, kv, D]
     return {
         "k_pages": k_pages.at[page, :, :, offset].set(_as_stored(k, k_pages)),
         "v_pages": v_pages.at[page, :, offset, :].set(_as_stored(v, v_pages)),

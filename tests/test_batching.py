@@ -78,6 +78,9 @@ def run(scheduler, requests, arrivals, stop_token=None, step=None, max_steps=10_
             break
         batch = scheduler.schedule()
         assert batch.num_tokens <= scheduler.max_num_batched_tokens
+        prefills = [c for c in batch.chunks if c.start + 1 < len(c.seq.tokens)]
+        limit = scheduler.max_prefill_chunks
+        assert limit is None or len(prefills) <= limit
         assert len({c.seq.id for c in batch.chunks}) == len(batch.chunks)
         for chunk in batch.chunks:
             if chunk.seq.id not in started:
@@ -112,14 +115,26 @@ requests_strategy = st.lists(
     extra_tokens=st.integers(0, 12),
     prefix_cache=st.booleans(),
     stop_token=st.sampled_from([None, 0, 7]),
+    max_prefill_chunks=st.sampled_from([None, 1, 2]),
 )
 def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
-    requests, arrivals, num_pages, page_size, max_num_seqs, extra_tokens, prefix_cache, stop_token
+    requests,
+    arrivals,
+    num_pages,
+    page_size,
+    max_num_seqs,
+    extra_tokens,
+    prefix_cache,
+    stop_token,
+    max_prefill_chunks,
 ):
     # Small token alphabets make prompts share prefixes; few pages make sequences preempt.
     pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
     scheduler = Scheduler(
-        pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs + extra_tokens
+        pool,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + extra_tokens,
+        max_prefill_chunks=max_prefill_chunks,
     )
     fits = [(p, n) for p, n in requests if len(p) + n - 1 <= pool.num_usable * page_size]
     if not fits:

@@ -207,3 +207,22 @@ def test_int8_quality_rounds_as_numpy_does(tiny_chat, tmp_path):
         assert r["mean_kld"] >= 0 and 0 <= r["top1"] <= 1
     same = rng.standard_normal((5, 7))
     assert int8_quality.divergence(same, same) == (0.0, 1.0)
+
+
+def test_serve_benchmark_times_every_request(tiny_tied, tmp_path):
+    serve = load_benchmark("serve")
+    out = tmp_path / "serve.json"
+    argv = ["--model", str(tiny_tied), "--requests", "6", "--rate", "50", "--max-num-seqs", "2"]
+    argv += ["--prompt-len", "3,9", "--output-len", "2,5", "--page-size", "4"]
+    assert serve.main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"LLMEngine", "static generate"}
+    for r in results.values():
+        assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
+        assert 0 <= r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] <= r["ttft_s"]["p99"]
+    # Static batching hands a request's tokens over at once: no gaps between them.
+    assert results["static generate"]["itl_s"]["p50"] == 0
+    # The workload is the same at every call: a fixed seed.
+    requests = serve.workload(6, 50, (3, 9), (2, 5), vocab=96)
+    assert requests == serve.workload(6, 50, (3, 9), (2, 5), vocab=96)
+    assert all(3 <= len(p) <= 9 and 2 <= n <= 5 for _, p, n in requests)

@@ -18,9 +18,9 @@ import jaxlm
 from jaxlm import ops
 
 PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 5, 24
-LENGTHS = [13, 6, 17]
+LENGTHS = [13, 7, 17]
 # Each call's tokens per row: rows prefill in chunks, decode one token, or sit out (0).
-SCHEDULE = [[5, 1, 8], [8, 5, 1], [0, 0, 8]]
+SCHEDULE = [[5, 1, 8], [8, 5, 1], [0, 1, 8]]
 
 
 def paged_cache(model) -> dict:
@@ -39,23 +39,32 @@ def assert_paged_rows_equal_each_sequence_alone(model, hf):
     table = jnp.asarray(table.reshape(len(LENGTHS), PAGES_PER_SEQ), jnp.int32)
     graphdef, state = nnx.split(model)
     step = jax.jit(
-        lambda state, *args: nnx.merge(graphdef, state).forward_paged(*args), donate_argnums=4
+        lambda state, *args: nnx.merge(graphdef, state).forward_paged(*args), donate_argnums=2
     )
     cache = paged_cache(model)
     pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
     done = [0] * len(LENGTHS)
     got = [[] for _ in LENGTHS]
     for counts in SCHEDULE:
-        width = max(counts)
-        ids = np.zeros((len(LENGTHS), width), np.int32)
-        positions = np.full((len(LENGTHS), width), -1, np.int32)
-        for r, n in enumerate(counts):
-            ids[r, :n] = seqs[r][done[r] : done[r] + n]
-            positions[r, :n] = np.arange(done[r], done[r] + n)
-        logits, cache = step(state, jnp.asarray(ids), jnp.asarray(positions), table, cache)
-        for r, n in enumerate(counts):
-            got[r].extend(np.asarray(logits[r, :n]))
-            done[r] += n
+        # Rows of one token (or none) in one group, rows of prompt chunks in another.
+        split = [
+            [r for r, n in enumerate(counts) if n <= 1],
+            [r for r, n in enumerate(counts) if n > 1],
+        ]
+        groups = []
+        for rows in split:
+            width = max(counts[r] for r in rows)
+            ids = np.zeros((len(rows), width), np.int32)
+            positions = np.full((len(rows), width), -1, np.int32)
+            for i, r in enumerate(rows):
+                ids[i, : counts[r]] = seqs[r][done[r] : done[r] + counts[r]]
+                positions[i, : counts[r]] = np.arange(done[r], done[r] + counts[r])
+            groups.append(dict(input_ids=ids, positions=positions, table=table[np.array(rows)]))
+        logits, cache = step(state, groups, cache)
+        for rows, group_logits in zip(split, logits, strict=True):
+            for i, r in enumerate(rows):
+                got[r].extend(np.asarray(group_logits[i, : counts[r]]))
+        done = [d + n for d, n in zip(done, counts, strict=True)]
     assert done == LENGTHS
     # The pages were updated in place.
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)] == pointers

@@ -6,8 +6,9 @@ picks each step's decode tokens and prompt chunks, one jitted call runs them ove
 returns the pages updated in place. Requests join at the next step and leave when they stop,
 so none waits for another to finish.
 
-Every step has `max_num_seqs` rows of `C` tokens, `C` one of a few buckets (1 when every row
-decodes), all compiled when the engine starts: serving never compiles.
+A step runs one token of each of its `max_num_seqs` rows and, in steps that have one, a chunk
+of one sequence's prompt padded to one of a few widths; every variant is compiled when the
+engine starts, so serving never compiles.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -65,6 +67,8 @@ class RequestHandle:
         self._done = threading.Event()
         self._result: RequestOutput | None = None
         self._error: BaseException | None = None
+        # When each token arrived (`time.perf_counter()`), for latency figures.
+        self.token_times: list[float] = []
 
     def _tokens(self) -> list[int]:
         ids = list(self.seq.output)
@@ -166,7 +170,9 @@ class LLMEngine:
             limit = parse_bytes(budget)
             num_pages = self._pages_within(limit)
         self.compiled = self._compile(num_pages)
-        self.executables = {c: ExecutableMemory.of(f"C={c}", e) for c, e in self.compiled.items()}
+        self.executables = {
+            w: ExecutableMemory.of(f"chunk of {w}", e) for w, e in self.compiled.items()
+        }
         self.weights_bytes = weights_bytes(model)
         self.pages_bytes = num_pages * self._page_bytes()
         if budget is not None and self.total_bytes > limit:
@@ -181,6 +187,7 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             pages_per_seq=self.pages_per_seq,
             max_queue=max_queue,
+            max_prefill_chunks=1,
         )
         self.pages = jax.jit(lambda: self._zeros(num_pages))()
         self.steps = 0
@@ -228,31 +235,41 @@ class LLMEngine:
         return {"layers": {i: layer() for i in range(c.num_hidden_layers)}}
 
     def _compile(self, num_pages: int) -> dict:
+        """The step for each prompt chunk width (`0`: decode tokens alone), compiled."""
         pages = jax.eval_shape(lambda: self._zeros(num_pages))
         sds = jax.ShapeDtypeStruct
-        rows = self.max_num_seqs
-        out = {}
-        for c in self.buckets:
-            args = (
-                sds((rows, c), jnp.int32),
-                sds((rows, c), jnp.int32),
-                sds((rows, self.pages_per_seq), jnp.int32),
-                sds((rows,), jnp.int32),
-                {
-                    n: sds((rows,), jnp.int32 if n == "top_k" else jnp.float32)
-                    for n in SAMPLING_FIELDS
-                },
-                sds((rows, 2), jnp.uint32),
-                sds((rows,), jnp.int32),
+        rows, per_seq = self.max_num_seqs, self.pages_per_seq
+
+        def tokens(r, c):
+            return dict(
+                input_ids=sds((r, c), jnp.int32),
+                positions=sds((r, c), jnp.int32),
+                table=sds((r, per_seq), jnp.int32),
+                last=sds((r,), jnp.int32),
             )
-            out[c] = self._step.lower(self._state, pages, *args).compile()
+
+        params = {n: sds((rows,), _SAMPLING_DTYPES.get(n, jnp.float32)) for n in SAMPLING_FIELDS}
+        rest = (params, sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32))
+        out = {}
+        for width in (0, *self.buckets):
+            chunk = {**tokens(1, width), "row": sds((), jnp.int32)} if width else None
+            out[width] = self._step.lower(self._state, pages, tokens(rows, 1), chunk, *rest)
+            out[width] = out[width].compile()
         return out
 
     # The step.
 
-    def _run(self, state, pages, ids, positions, table, last, params, keys, generated):
+    def _run(self, state, pages, decode, chunk, params, keys, generated):
+        # One token of each row and (in the steps with one) a prompt chunk of one row, as two
+        # groups of their own widths: padding every row to the chunk's width would multiply the
+        # work of a step by its rows.
         model = nnx.merge(self._graphdef, state)
-        logits, pages = model.forward_paged(ids, positions, table, pages, last=last)
+        if chunk is None:
+            (logits,), pages = model.forward_paged([decode], pages)
+        else:
+            row = chunk.pop("row")
+            (logits, chunk_logits), pages = model.forward_paged([decode, chunk], pages)
+            logits = logits.at[row].set(chunk_logits[0])
         # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
         keys = jax.vmap(jax.random.fold_in)(keys, generated)
         token = sampling.sample(
@@ -261,32 +278,45 @@ class LLMEngine:
         return pages, token
 
     def _inputs(self, batch: Batch) -> tuple[int, tuple]:
-        rows = self.max_num_seqs
-        width = next(c for c in self.buckets if c >= max(len(c.tokens) for c in batch.chunks))
-        ids = np.zeros((rows, width), np.int32)
-        positions = np.full((rows, width), -1, np.int32)
-        table = np.zeros((rows, self.pages_per_seq), np.int32)
-        last = np.zeros((rows,), np.int32)
+        rows, per_seq = self.max_num_seqs, self.pages_per_seq
+        decode = dict(
+            input_ids=np.zeros((rows, 1), np.int32),
+            positions=np.full((rows, 1), -1, np.int32),
+            table=np.zeros((rows, per_seq), np.int32),
+            last=np.zeros((rows,), np.int32),
+        )
+        chunk, width = None, 0
         params = {
-            n: np.zeros((rows,), np.int32 if n == "top_k" else np.float32) for n in SAMPLING_FIELDS
+            n: np.zeros((rows,), _SAMPLING_DTYPES.get(n, np.float32)) for n in SAMPLING_FIELDS
         }
         params["top_p"][:] = 1.0
         keys = np.zeros((rows, 2), np.uint32)
         generated = np.zeros((rows,), np.int32)
-        for chunk in batch.chunks:
-            seq, n = chunk.seq, len(chunk.tokens)
-            r = seq.slot
-            ids[r, :n] = chunk.tokens
-            positions[r, :n] = np.arange(chunk.start, chunk.start + n)
-            table[r, : len(seq.pages)] = seq.pages
-            last[r] = n - 1
+        for c in batch.chunks:
+            seq, n, r = c.seq, len(c.tokens), c.seq.slot
+            if n == 1:
+                decode["input_ids"][r, 0] = c.tokens[0]
+                decode["positions"][r, 0] = c.start
+                decode["table"][r, : len(seq.pages)] = seq.pages
+            else:
+                width = next(w for w in self.buckets if w >= n)
+                chunk = dict(
+                    input_ids=np.zeros((1, width), np.int32),
+                    positions=np.full((1, width), -1, np.int32),
+                    table=np.zeros((1, per_seq), np.int32),
+                    last=np.array([n - 1], np.int32),
+                    row=np.int32(r),
+                )
+                chunk["input_ids"][0, :n] = c.tokens
+                chunk["positions"][0, :n] = np.arange(c.start, c.start + n)
+                chunk["table"][0, : len(seq.pages)] = seq.pages
             req = self._handles[seq.id]._req
             for name in SAMPLING_FIELDS:
                 params[name][r] = req.sampling[name][0]
             # The key of a one-prompt `generate`'s only row.
             keys[r] = (req.seed & 0xFFFFFFFF, 0)
             generated[r] = len(seq.output)
-        return width, (ids, positions, table, last, params, keys, generated)
+        return width, (decode, chunk, params, keys, generated)
 
     def _loop(self) -> None:
         while True:
@@ -302,6 +332,7 @@ class LLMEngine:
             try:
                 self.pages, tokens = self.compiled[width](self._state, self.pages, *inputs)
                 tokens = np.asarray(tokens)
+                now = time.perf_counter()
             except BaseException as error:  # the engine cannot go on: fail every request
                 self._fail_all(error)
                 return
@@ -318,6 +349,7 @@ class LLMEngine:
                     handle = self._handles.get(i)
                     if handle is None:  # cancelled while the step ran
                         continue
+                    handle.token_times.append(now)
                     if handle._step(i in finished):
                         self.scheduler.cancel(handle.seq)
                     if handle._done.is_set():
@@ -407,9 +439,9 @@ class LLMEngine:
 
 
 def _buckets(max_tokens: int) -> tuple[int, ...]:
-    """The steps' token widths: 1 (decode only), then powers of four up to `max_tokens`."""
-    widths, c = [1], 16
-    while c < max_tokens:
-        widths.append(c)
-        c *= 4
-    return (*widths, max_tokens) if max_tokens > 1 else (1,)
+    """The widths of a step's prompt chunk: 16, 32, 64, ... up to `max_tokens`."""
+    widths, width = [], 16
+    while width < max_tokens:
+        widths.append(width)
+        width *= 2
+    return (*widths, max_tokens)

@@ -6,9 +6,10 @@ Plain Python over plain data, with no model: the step that computes the tokens r
 Each step runs, within `max_num_batched_tokens` tokens, one token of every running sequence
 that is decoding, then chunks of prompts (chunked prefill): those of sequences already
 prefilling, then new ones admitted first come, first served while a slot of the
-`max_num_seqs` rows and pages allow. A sequence that needs a page when none is available
-preempts the newest running sequence, whose pages are freed and which goes back to the front of
-the queue, to be computed again from its prompt and the tokens it had generated.
+`max_num_seqs` rows and pages allow, at most `max_prefill_chunks` of them. A sequence that
+needs a page when none is available preempts the newest running sequence, whose pages are
+freed and which goes back to the front of the queue, to be computed again from its prompt and
+the tokens it had generated.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         pages_per_seq: int | None = None,
         max_queue: int = 1024,
+        max_prefill_chunks: int | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -115,6 +117,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pages_per_seq = pages_per_seq or pool.num_usable
         self.max_queue = max_queue
+        self.max_prefill_chunks = max_prefill_chunks
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self._free_slots = list(range(max_num_seqs))
@@ -212,9 +215,11 @@ class Scheduler:
             else:
                 self._preempt(seq)
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
-        budget = self.max_num_batched_tokens - len(chunks)
+        decodes = len(chunks)
+        budget = self.max_num_batched_tokens - decodes
         prefilling = sorted((s for s in self.running if s.prefilling), key=lambda s: s.id)
-        while budget > 0:
+        limit = self.max_prefill_chunks
+        while budget > 0 and (limit is None or len(chunks) - decodes < limit):
             if prefilling:
                 seq = prefilling.pop(0)
                 if seq.status is not Status.RUNNING:

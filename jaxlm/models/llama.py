@@ -107,11 +107,18 @@ class Attention(nnx.Module):
         out = ops.attend_cached(q, k, v, mask, end, **self._attend_options())
         return self.o_proj(out), cache
 
-    def forward_paged(self, x, cos, sin, mask, slots, table, cache):
-        q, k, v = self._project(x, cos, sin)
-        cache = ops.write_paged(cache, k, v, slots)
-        out = ops.attend(q, *ops.gather_pages(cache, table), mask, **self._attend_options())
-        return self.o_proj(out), cache
+    def forward_paged(self, groups, cache):
+        # Each group: (x, cos, sin, mask, slots, table). Their keys and values are written in
+        # one update of the pages, then each group attends over its rows' pages.
+        projected = [self._project(x, cos, sin) for x, cos, sin, *_ in groups]
+        writes = [(k, v, g[4]) for (_, k, v), g in zip(projected, groups, strict=True)]
+        cache = ops.write_paged(cache, writes)
+        options = self._attend_options()
+        outs = [
+            self.o_proj(ops.attend(q, *ops.gather_pages(cache, g[5]), g[3], **options))
+            for (q, _, _), g in zip(projected, groups, strict=True)
+        ]
+        return outs, cache
 
 
 class DecoderLayer(nnx.Module):
@@ -150,11 +157,14 @@ class DecoderLayer(nnx.Module):
         )
         return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
 
-    def forward_paged(self, x, cos, sin, mask, slots, table, cache):
-        h, attn = self.self_attn.forward_paged(
-            self._attention_input(x), cos, sin, mask, slots, table, cache["self_attn"]
-        )
-        return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
+    def forward_paged(self, xs, groups, cache):
+        # `xs`: each group's activations; `groups`: each group's (cos, sin, mask, slots, table).
+        inputs = [(self._attention_input(x), *g) for x, g in zip(xs, groups, strict=True)]
+        hs, attn = self.self_attn.forward_paged(inputs, cache["self_attn"])
+        outs = [
+            self._feed_forward(x + self._attention_output(h)) for x, h in zip(xs, hs, strict=True)
+        ]
+        return outs, {"self_attn": attn}
 
 
 # A jitted layer: the layers share one signature, so a step traces and lowers one layer, not
@@ -262,40 +272,40 @@ class LlamaModel(nnx.Module):
             k_slots[None, :] >= start[:, None],
             lambda c: self._rope_once(c, positions),
         )
-        x, layers = self._run_layers("forward_cached", input_ids, inputs, index, scratch)
-        new = {"cache_start": start, "cache_index": index + t, "layers": layers}
-        return self.norm(x), new
-
-    def _run_layers(self, method: str, input_ids, inputs, *args):
-        """The layers' `method` over `input_ids`'s embeddings, with each layer's `inputs` and
-        its part of the cache (the last of `args`); returns the hidden states and the caches."""
-        *args, cache = args
         x, layers = self._embed(input_ids), {}
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
-            x, layers[i] = _layer(method, graphdef, state, x, *inputs[i], *args, cache["layers"][i])
-        return x, layers
+            x, layers[i] = _layer(
+                "forward_cached", graphdef, state, x, *inputs[i], index, scratch["layers"][i]
+            )
+        new = {"cache_start": start, "cache_index": index + t, "layers": layers}
+        return self.norm(x), new
 
-    def forward_paged(self, input_ids, positions, table, cache):
-        """Rows of tokens `input_ids` `[R, C]` at `positions` (-1: padding), each row's keys and
-        values written into the pages its `table` row lists and attended from them; returns the
-        final hidden states `[hidden, R, C]` and the updated pages."""
-        k_pages = cache["layers"][0]["self_attn"]["k_pages"]
-        size = k_pages.shape[-1]
-        rows, per_seq = table.shape
-        real = positions >= 0
-        at = jnp.maximum(positions, 0)
-        page = jnp.take_along_axis(table, at // size, axis=1)
-        # Padding writes to the padding page (`jaxlm.batching.pages.PADDING_PAGE`).
-        slots = jnp.where(real, page * size + at % size, 0)
-        k_pos = jnp.broadcast_to(
-            jnp.arange(per_seq * size, dtype=jnp.int32), (rows, per_seq * size)
-        )
-        inputs = self._layer_inputs(
-            positions, k_pos, jnp.ones(k_pos.shape, bool), lambda c: self._rope_once(c, positions)
-        )
-        x, layers = self._run_layers("forward_paged", input_ids, inputs, slots, table, cache)
-        return self.norm(x), {"layers": layers}
+    def forward_paged(self, groups, cache):
+        """Groups of rows of tokens over a paged cache; each group is `(input_ids [R, C],
+        positions [R, C] (-1: padding), table [R, pages_per_seq])`. Returns each group's final
+        hidden states `[hidden, R, C]` and the updated pages."""
+        size = cache["layers"][0]["self_attn"]["k_pages"].shape[-1]
+        per_layer = [[] for _ in self.layers]
+        for _, positions, table in groups:
+            rows, per_seq = table.shape
+            at = jnp.maximum(positions, 0)
+            page = jnp.take_along_axis(table, at // size, axis=1)
+            # Padding writes to the padding page (`jaxlm.batching.pages.PADDING_PAGE`).
+            slots = jnp.where(positions >= 0, page * size + at % size, 0)
+            length = per_seq * size
+            k_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+            rope = functools.partial(self._rope_once, positions=positions)
+            inputs = self._layer_inputs(positions, k_pos, jnp.ones(k_pos.shape, bool), rope)
+            for i, layer_inputs in enumerate(inputs):
+                per_layer[i].append((*layer_inputs, slots, table))
+        xs, layers = [self._embed(ids) for ids, _, _ in groups], {}
+        for i, layer in enumerate(self.layers):
+            graphdef, state = nnx.split(layer)
+            xs, layers[i] = _layer(
+                "forward_paged", graphdef, state, xs, per_layer[i], cache["layers"][i]
+            )
+        return [self.norm(x) for x in xs], {"layers": layers}
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -366,19 +376,25 @@ class LlamaForCausalLM(nnx.Module):
         x, new = self.model.forward_cached(input_ids, scratch["model"])
         return self._logits(x[..., -1] if last_only else x), {**scratch, "model": new}
 
-    def forward_paged(self, input_ids, positions, table, cache, last=None):
-        """Logits `[R, C, vocab]` of rows of tokens over a paged KV cache, and the cache; with
-        `last` `[R]`, only those of column `last[r]` of each row (`[R, vocab]`).
+    def forward_paged(self, groups, cache):
+        """Logits of groups of rows of tokens over a paged KV cache, and the updated cache.
 
-        Row `r` holds a sequence's tokens `input_ids[r]` at `positions[r]` (-1 for padding, at
-        the end); their keys and values go to the pages `table[r]` lists (a position `p` to
-        slot `p % page_size` of page `table[r, p // page_size]`), and each attends over its
+        A group is a dict of `input_ids` `[R, C]`, their `positions` `[R, C]` (-1 for padding,
+        at the end), `table` `[R, pages_per_seq]` and optionally `last` `[R]`. Row `r` holds a
+        sequence's tokens; their keys and values go to the pages `table[r]` lists (position `p`
+        to slot `p % page_size` of page `table[r, p // page_size]`), and each attends over its
         row's pages up to its own position. Rows may be at different positions and hold
-        different numbers of tokens: prompt chunks and single decode tokens in one call.
+        different numbers of tokens; groups of other widths (one token per row, a prompt's
+        chunk) run in one call, their pages written in one update. A group's logits are
+        `[R, C, vocab]`, or with `last`, those of column `last[r]` of each row, `[R, vocab]`.
         `cache` is `{"layers": {i: {"self_attn": {"k_pages", "v_pages"}}}}`, shaped by
         `jaxlm.ops.paged_kv_shapes`.
         """
-        x, new = self.model.forward_paged(input_ids, positions, table, cache)
-        if last is not None:
-            x = jnp.take_along_axis(x, last[None, :, None], axis=2)[..., 0]  # [hidden, R]
-        return self._logits(x), new
+        triples = [(g["input_ids"], g["positions"], g["table"]) for g in groups]
+        xs, new = self.model.forward_paged(triples, cache)
+        logits = []
+        for x, g in zip(xs, groups, strict=True):
+            if g.get("last") is not None:
+                x = jnp.take_along_axis(x, g["last"][None, :, None], axis=2)[..., 0]
+            logits.append(self._logits(x))
+        return logits, new
