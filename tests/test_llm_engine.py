@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
+from jaxlm.memory import ExecutableMemory
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +130,22 @@ def test_bad_requests_and_a_budget(tiny):
             engine.submit([[1, 2], [3]], max_new_tokens=4)
     with pytest.raises(ValueError, match="give one of `num_pages` and `budget`"):
         LLMEngine(tiny)
+
+
+def test_every_step_updates_the_pages_in_place(tiny):
+    with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=400) as engine:
+        k_shape = engine.pages["layers"][0]["self_attn"]["k_pages"].shape
+        shape = "f32[" + ",".join(map(str, k_shape)) + "]"
+        assert set(engine.compiled) == {0, 16, 32, 64, 128, 256}
+        # Ten times the pages: XLA aliases all of them, and the temporaries stay the same, so
+        # they hold no copy of the pages.
+        more = {w: ExecutableMemory.of("", e) for w, e in engine._compile(4000).items()}
+        for width, executable in engine.compiled.items():
+            memory = engine.executables[width]
+            assert memory.alias >= engine.pages_bytes, width
+            assert more[width].alias >= 10 * engine.pages_bytes, width
+            assert more[width].temp == memory.temp, width
+            assert not re.search(rf"= {re.escape(shape)}\S* copy\(", executable.as_text()), width
+        before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)]
+        engine.generate([[1, 2, 3] * 10, [4, 5]], max_new_tokens=5, stop_token_ids=[])
+        assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)] == before
