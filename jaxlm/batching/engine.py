@@ -28,7 +28,7 @@ from jaxlm import ops, sampling
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.scheduler import Batch, Scheduler, SequenceState
 from jaxlm.engine import SAMPLING_FIELDS, weights_bytes
-from jaxlm.memory import ExecutableMemory, format_bytes
+from jaxlm.memory import ExecutableMemory, format_bytes, parse_bytes
 from jaxlm.requests import Detokenizer, cut_at_stop, parse_request
 from jaxlm.sharding import mesh_of
 
@@ -148,8 +148,6 @@ class LLMEngine:
         prefix_cache: bool = True,
         max_queue: int = 1024,
     ):
-        from jaxlm.memory import parse_bytes
-
         if (num_pages is None) == (budget is None):
             raise ValueError("give one of `num_pages` and `budget`")
         if mesh_of(nnx.state(model)) is not None:
