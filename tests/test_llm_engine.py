@@ -149,3 +149,18 @@ def test_every_step_updates_the_pages_in_place(tiny):
         before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)]
         engine.generate([[1, 2, 3] * 10, [4, 5]], max_new_tokens=5, stop_token_ids=[])
         assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)] == before
+
+
+def test_a_cancelled_request_ends_and_gives_its_pages_back(tiny):
+    with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=64) as engine:
+        handle = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=[])
+        other = engine.submit([4, 5], max_new_tokens=6, stop_token_ids=[])
+        while not handle.token_times:
+            time.sleep(0.01)
+        handle.cancel()
+        result = handle.result(timeout=60)
+        assert result.finish_reason == "cancelled" and len(result.token_ids) < 100
+        assert other.result(timeout=60).token_ids == solo(tiny, [4, 5], 6)
+        while engine.scheduler.has_work():
+            time.sleep(0.01)
+        assert engine.pool.num_in_use == 0

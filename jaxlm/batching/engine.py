@@ -327,31 +327,34 @@ class LLMEngine:
                 if not batch.chunks:
                     continue
                 width, inputs = self._inputs(batch)
+                rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
             try:
                 self.pages, tokens = self.compiled[width](self._state, self.pages, *inputs)
                 tokens = np.asarray(tokens)
-                now = time.perf_counter()
+                with self._wake:
+                    self._record(batch, {i: int(tokens[r]) for i, r in rows.items()})
             except BaseException as error:  # the engine cannot go on: fail every request
                 self._fail_all(error)
                 return
-            with self._wake:
-                self.steps += 1
-                self.prefill_tokens += sum(
-                    max(0, min(c.start + len(c.tokens), len(c.seq.prompt)) - c.start)
-                    for c in batch.chunks
-                )
-                sampled = {c.seq.id: int(tokens[c.seq.slot]) for c in batch.chunks if c.sample}
-                stop = {i: t in self._handles[i]._req.stop_ids for i, t in sampled.items()}
-                finished = {s.id for s in self.scheduler.update(batch, sampled, stop)}
-                for i in sampled:
-                    handle = self._handles.get(i)
-                    if handle is None:  # cancelled while the step ran
-                        continue
-                    handle.token_times.append(now)
-                    if handle._step(i in finished):
-                        self.scheduler.cancel(handle.seq)
-                    if handle._done.is_set():
-                        del self._handles[i]
+
+    def _record(self, batch: Batch, sampled: dict[int, int]) -> None:
+        """Hand a step's tokens to the scheduler and to the requests still waiting for them."""
+        now = time.perf_counter()
+        self.steps += 1
+        self.prefill_tokens += sum(
+            max(0, min(c.start + len(c.tokens), len(c.seq.prompt)) - c.start) for c in batch.chunks
+        )
+        # A request cancelled while the step ran has left: its token is dropped.
+        sampled = {i: t for i, t in sampled.items() if i in self._handles}
+        stop = {i: t in self._handles[i]._req.stop_ids for i, t in sampled.items()}
+        finished = {s.id for s in self.scheduler.update(batch, sampled, stop)}
+        for i in sampled:
+            handle = self._handles[i]
+            handle.token_times.append(now)
+            if handle._step(i in finished):
+                self.scheduler.cancel(handle.seq)
+            if handle._done.is_set():
+                del self._handles[i]
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wake:
