@@ -7,7 +7,7 @@ Example:
     >>> out.texts[0]
 """
 
-from jaxlm.batching.engine import LLMEngine, RequestHandle, RequestOutput
+from jaxlm.batching.engine import EngineStats, LLMEngine, RequestHandle, RequestOutput
 from jaxlm.config import ModelConfig
 from jaxlm.diagnostics import CompileCounter
 from jaxlm.errors import JaxlmError, LoadError, PlanError
@@ -23,6 +23,7 @@ from jaxlm.tokenizer import Tokenizer
 
 __all__ = [
     "CompileCounter",
+    "EngineStats",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "GenerationResult",

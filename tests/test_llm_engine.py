@@ -65,6 +65,10 @@ def test_requests_from_threads_equal_their_solo_runs_and_compile_nothing(tiny):
         assert [r.token_ids for r in results] == expected
         assert all(r.finish_reason == "length" for r in results)
         assert e.pool.num_in_use == 0
+        stats = e.stats()
+        assert (stats.running, stats.waiting, stats.pages_in_use, stats.finished) == (0, 0, 0, 16)
+        assert stats.generated_tokens == sum(n for _, n in reqs)
+        assert stats.prefill_tokens == sum(len(p) for p, _ in reqs) - stats.cached_prompt_tokens
         e.pool.clear_cache()
         assert e.pool.num_available == e.pool.num_usable
 

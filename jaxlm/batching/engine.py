@@ -47,6 +47,25 @@ class RequestOutput:
     prompt_token_ids: list[int]
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's counters (`LLMEngine.stats()`): the requests running and
+    waiting, the pages in use, free and held by the prefix cache, and totals since it started."""
+
+    running: int
+    waiting: int
+    pages_total: int
+    pages_in_use: int
+    pages_free: int
+    pages_cached: int
+    steps: int
+    prefill_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    finished: int
+
+
 class RequestHandle:
     """A submitted request: iterate it for its text as it is generated, or wait for `result()`.
 
@@ -190,6 +209,8 @@ class LLMEngine:
         self.pages = jax.jit(lambda: self._zeros(num_pages))()
         self.steps = 0
         self.prefill_tokens = 0
+        self.generated_tokens = 0
+        self.finished = 0
         self._handles: dict[int, RequestHandle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -346,6 +367,7 @@ class LLMEngine:
         )
         # A request cancelled while the step ran has left: its token is dropped.
         sampled = {i: t for i, t in sampled.items() if i in self._handles}
+        self.generated_tokens += len(sampled)
         stop = {i: t in self._handles[i]._req.stop_ids for i, t in sampled.items()}
         finished = {s.id for s in self.scheduler.update(batch, sampled, stop)}
         for i in sampled:
@@ -355,6 +377,7 @@ class LLMEngine:
                 self.scheduler.cancel(handle.seq)
             if handle._done.is_set():
                 del self._handles[i]
+                self.finished += 1
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wake:
@@ -362,6 +385,25 @@ class LLMEngine:
                 handle._fail(error)
             self._handles.clear()
             self._closed = True
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (see `EngineStats`)."""
+        with self._wake:
+            s, pool = self.scheduler, self.pool
+            return EngineStats(
+                running=len(s.running),
+                waiting=len(s.waiting),
+                pages_total=pool.num_usable,
+                pages_in_use=pool.num_in_use,
+                pages_free=pool.num_available,
+                pages_cached=pool.num_cached,
+                steps=self.steps,
+                prefill_tokens=self.prefill_tokens,
+                cached_prompt_tokens=s.cached_tokens,
+                generated_tokens=self.generated_tokens,
+                preemptions=s.preemptions,
+                finished=self.finished,
+            )
 
     # Requests.
 

@@ -122,6 +122,9 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self._free_slots = list(range(max_num_seqs))
         self._ids = itertools.count()
+        # Totals since the start: prompt tokens taken from the prefix cache, preemptions.
+        self.cached_tokens = 0
+        self.preemptions = 0
 
     @property
     def max_tokens_per_seq(self) -> int:
@@ -183,6 +186,7 @@ class Scheduler:
         seq.pages, seq.slot, seq.num_computed, seq.num_cached = [], None, 0, 0
         seq.status = Status.WAITING
         seq.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
         self._preempted.append(seq)
 
@@ -196,6 +200,7 @@ class Scheduler:
             self.pool.release(cached)
             return False
         seq.pages, seq.num_cached, seq.num_computed = cached, start, start
+        self.cached_tokens += start
         seq.slot = self._free_slots.pop(0)
         seq.status = Status.RUNNING
         self.running.append(seq)
