@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import queue
 import random
 import re
 import threading
@@ -168,3 +170,113 @@ def test_a_cancelled_request_ends_and_gives_its_pages_back(tiny):
         while engine.scheduler.has_work():
             time.sleep(0.01)
         assert engine.pool.num_in_use == 0
+
+
+def soak_requests(seed: int, n: int, vocab: int) -> list[dict]:
+    """`n` short requests: prompts that often start with one of three shared prefixes (whole
+    pages of 4), greedy or seeded sampling, some with stop ids, some to be cancelled."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(k)] for k in (4, 8, 12)]
+    out = []
+    for i in range(n):
+        head = rng.choice([[], *prefixes])
+        prompt = head + [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+        kw = dict(max_new_tokens=rng.randint(1, 8), stop_token_ids=[])
+        if rng.random() < 0.25:
+            kw["stop_token_ids"] = rng.sample(range(vocab), 12)
+        if rng.random() < 0.25:
+            kw.update(temperature=0.8, top_k=20, seed=i)
+        out.append(dict(prompt=prompt, kw=kw, cancel=rng.random() < 0.1))
+    return out
+
+
+def expected_tokens(model, request) -> list[int]:
+    """The request's tokens alone: `generate` without stop ids, cut before the first stop id."""
+    kw = dict(request["kw"])
+    new, stops = kw.pop("max_new_tokens"), set(kw.pop("stop_token_ids"))
+    tokens = solo(model, request["prompt"], new, **kw)
+    cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokens[:cut]
+
+
+def serve(engine, reqs, threads=4):
+    """Submit `reqs` from `threads` threads, cancelling those marked a few ms later from
+    another; every result, in order."""
+    handles = [None] * len(reqs)
+    to_cancel: queue.Queue = queue.Queue()
+
+    def submit(k):
+        for i in range(k, len(reqs), threads):
+            handles[i] = engine.submit(reqs[i]["prompt"], **reqs[i]["kw"])
+            if reqs[i]["cancel"]:
+                to_cancel.put(handles[i])
+            if i % 7 == 0:
+                time.sleep(0.002)
+        to_cancel.put(None)
+
+    def cancel():
+        done = 0
+        while done < threads:
+            handle = to_cancel.get()
+            if handle is None:
+                done += 1
+                continue
+            time.sleep(0.001 * (handle.seq.id % 4))
+            handle.cancel()
+
+    workers = [threading.Thread(target=submit, args=(k,)) for k in range(threads)]
+    workers.append(threading.Thread(target=cancel))
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return handles, [h.result(timeout=300) for h in handles]
+
+
+def test_a_soak_of_500_requests_leaves_pages_and_arrays_as_they_were(tiny):
+    vocab = tiny.config.vocab_size
+    warm, reqs = soak_requests(4, 40, vocab), soak_requests(5, 500, vocab)
+    # 11 usable pages of 4 slots for 4 sequences of up to 29 tokens: some are preempted.
+    with LLMEngine(tiny, max_num_seqs=4, page_size=4, num_pages=12, max_num_batched_tokens=32) as e:
+        serve(e, warm)
+        while e.scheduler.has_work():
+            time.sleep(0.01)
+        gc.collect()
+        before, arrays = e.stats(), len(jax.live_arrays())
+        handles, results = serve(e, reqs)
+        while e.scheduler.has_work():
+            time.sleep(0.01)
+        gc.collect()
+        assert len(jax.live_arrays()) == arrays
+        stats = e.stats()
+        e.pool.clear_cache()
+        cleared = e.stats()
+    for request, handle, result in zip(reqs, handles, results, strict=True):
+        expected = expected_tokens(tiny, request)
+        if result.finish_reason == "cancelled":
+            assert result.token_ids == expected[: len(result.token_ids)]
+        else:
+            assert result.token_ids == expected
+            stopped = len(expected) < request["kw"]["max_new_tokens"]
+            assert result.finish_reason == ("stop" if stopped else "length")
+        assert result.prompt_token_ids == request["prompt"]
+        assert handle.seq.pages == [] and handle.seq.slot is None
+    reasons = [r.finish_reason for r in results]
+    assert 0 < reasons.count("cancelled") < 100 and reasons.count("stop") > 0
+    assert (stats.running, stats.waiting, stats.pages_in_use) == (0, 0, 0)
+    assert stats.finished - before.finished == len(reqs) - reasons.count("cancelled")
+    # Every token a step sampled for a request is in its sequence's output, stop ids included.
+    generated = sum(len(h.seq.output) for h in handles)
+    assert stats.generated_tokens - before.generated_tokens == generated
+    assert stats.preemptions - before.preemptions == sum(h.seq.preemptions for h in handles) > 0
+    # Each prompt that ran to its end was computed or taken from the cache, once or more.
+    cached = stats.cached_prompt_tokens - before.cached_prompt_tokens
+    prefilled = stats.prefill_tokens - before.prefill_tokens
+    assert cached > 0
+    assert prefilled + cached >= sum(
+        len(q["prompt"])
+        for q, r in zip(reqs, results, strict=True)
+        if r.finish_reason != "cancelled"
+    )
+    assert stats.pages_cached > 0 and stats.pages_free + stats.pages_in_use == stats.pages_total
+    assert (cleared.pages_free, cleared.pages_cached) == (cleared.pages_total, 0)
