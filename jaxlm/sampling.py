@@ -69,6 +69,11 @@ def apply_repetition_penalty(
     ids = jnp.where(valid, token_ids, V)  # [B, L]; V is out of range and dropped below.
     rows = jnp.arange(B)[:, None]  # [B, 1]
     seen = jnp.zeros((B, V), dtype=bool).at[rows, ids].set(True, mode="drop")  # [B, V]
+    return penalize_seen(logits, seen, penalty)
+
+
+def penalize_seen(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """`apply_repetition_penalty` with the tokens seen as a [B, V] bool mask."""
     pen = penalty.astype(logits.dtype)  # [B]
     penalized = jnp.where(logits < 0, logits * pen[:, None], _divide_rows(logits, pen))
     return jnp.where(seen, penalized, logits)

@@ -17,7 +17,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,22 +29,46 @@ from jaxlm.batching.pages import PagePool
 from jaxlm.batching.scheduler import Batch, Scheduler, SequenceState
 from jaxlm.engine import SAMPLING_FIELDS, weights_bytes
 from jaxlm.memory import ExecutableMemory, format_bytes, parse_bytes
-from jaxlm.requests import Detokenizer, cut_at_stop, parse_request
+from jaxlm.requests import Detokenizer, cut_at_stop, is_int, parse_request
 from jaxlm.sharding import mesh_of
 
 _DONE = object()
 _SAMPLING_DTYPES = {"top_k": np.int32}
+# The most alternatives a request can ask log-probabilities of, as OpenAI allows.
+TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the `top` most likely tokens' at its step as
+    `(token_id, logprob)` pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
 class RequestOutput:
     """A finished request: its text (None without a tokenizer), token ids and why it ended
-    (`"stop"`, `"length"` or `"cancelled"`)."""
+    (`"stop"`, `"length"` or `"cancelled"`); with `logprobs=` at submit, one `TokenLogprob` per
+    token."""
 
     text: str | None
     token_ids: list[int]
     finish_reason: str
     prompt_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass
+class Delta:
+    """What a request produced since the last `RequestHandle.deltas()`: new text, the tokens
+    sampled meanwhile and their log-probabilities (None unless asked for)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +98,14 @@ class RequestHandle:
         >>> for piece in handle:
         ...     print(piece, end="")
         >>> handle.result().finish_reason
+
+    A program on an event loop passes `on_update` to `submit` instead: the engine's thread calls
+    it whenever there is something new, and `deltas()` takes it without waiting.
     """
 
-    def __init__(self, engine: LLMEngine, seq: SequenceState, req, tokenizer):
+    def __init__(
+        self, engine: LLMEngine, seq: SequenceState, req, tokenizer, top_logprobs, on_update
+    ):
         self._engine = engine
         self.seq = seq
         self._req = req
@@ -86,6 +115,11 @@ class RequestHandle:
         self._done = threading.Event()
         self._result: RequestOutput | None = None
         self._error: BaseException | None = None
+        self._on_update = on_update
+        self._deltas: list[Delta] = []
+        self._sent = 0  # tokens handed out in deltas so far
+        self._top = top_logprobs
+        self.logprobs: list[TokenLogprob] | None = None if top_logprobs is None else []
         # When each token arrived (`time.perf_counter()`), for latency figures.
         self.token_times: list[float] = []
 
@@ -95,31 +129,65 @@ class RequestHandle:
             ids.pop()
         return ids
 
+    def _add_logprobs(self, chosen, ids, top) -> None:
+        pairs = tuple(zip(ids[: self._top].tolist(), top[: self._top].tolist(), strict=True))
+        self.logprobs.append(TokenLogprob(self.seq.output[-1], float(chosen), pairs))
+
     def _step(self, finished: bool) -> bool:
         """Take the sequence's new tokens; whether a stop string ended it."""
-        if self._detokenizer is None:
-            if finished:
-                self._finish(None, self._tokens(), self.seq.finish_reason)
-            return False
         ids = self._tokens()
+        if self._detokenizer is None:
+            self._emit("", ids)
+            if finished:
+                self._finish(None, ids, self.seq.finish_reason)
+            return False
         piece = self._detokenizer.update(ids, final=finished)
         if piece:
             self._pieces.put(piece)
         stopped = self._detokenizer.finished and not finished
         if finished or stopped:
             text, ids, cut = cut_at_stop(self._tokenizer, ids, self._req.stop)
+            self._emit(piece, ids)
             self._finish(text, ids, "stop" if cut or stopped else self.seq.finish_reason)
+        elif piece:
+            self._emit(piece, ids)
         return stopped
 
+    def _emit(self, text: str, ids: list[int]) -> None:
+        new = ids[self._sent :]
+        if not text and not new:
+            return
+        logprobs = None if self.logprobs is None else self.logprobs[self._sent : len(ids)]
+        self._deltas.append(Delta(text, new, logprobs))
+        self._sent = max(self._sent, len(ids))
+        if self._on_update is not None:
+            self._on_update()
+
     def _finish(self, text, ids, reason) -> None:
-        self._result = RequestOutput(text, ids, reason, list(self.seq.prompt))
+        logprobs = None if self.logprobs is None else self.logprobs[: len(ids)]
+        self._result = RequestOutput(text, ids, reason, list(self.seq.prompt), logprobs)
         self._pieces.put(_DONE)
         self._done.set()
+        if self._on_update is not None:
+            self._on_update()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._pieces.put(_DONE)
         self._done.set()
+        if self._on_update is not None:
+            self._on_update()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def deltas(self) -> list[Delta]:
+        """What the request produced since the last call, without waiting; once `done`, the
+        `result()` follows the last of them."""
+        with self._engine._lock:
+            out, self._deltas = self._deltas, []
+        return out
 
     def __iter__(self) -> Iterator[str]:
         while (piece := self._pieces.get()) is not _DONE:
@@ -268,7 +336,8 @@ class LLMEngine:
             )
 
         params = {n: sds((rows,), _SAMPLING_DTYPES.get(n, jnp.float32)) for n in SAMPLING_FIELDS}
-        rest = (params, sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32))
+        seen = sds((rows, self.model.config.vocab_size), jnp.bool_)
+        rest = (params, sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32), seen, sds((), bool))
         out = {}
         for width in (0, *self.buckets):
             chunk = {**tokens(1, width), "row": sds((), jnp.int32)} if width else None
@@ -278,7 +347,7 @@ class LLMEngine:
 
     # The step.
 
-    def _run(self, state, pages, decode, chunk, params, keys, generated):
+    def _run(self, state, pages, decode, chunk, params, keys, generated, seen, logprobs):
         # One token of each row and (in the steps with one) a prompt chunk of one row, as two
         # groups of their own widths: padding every row to the chunk's width would multiply the
         # work of a step by its rows.
@@ -289,15 +358,25 @@ class LLMEngine:
             row = chunk.pop("row")
             (logits, chunk_logits), pages = model.forward_paged([decode, chunk], pages)
             logits = logits.at[row].set(chunk_logits[0])
+        raw = logits
+        penalty = params["repetition_penalty"]
+        logits = jax.lax.cond(
+            jnp.any(penalty != 1.0),
+            lambda x: sampling.penalize_seen(x, seen, penalty),
+            lambda x: x,
+            logits,
+        )
         # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
         keys = jax.vmap(jax.random.fold_in)(keys, generated)
         token = sampling.sample(
             logits, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
         )
-        return pages, token
+        return pages, token, jax.lax.cond(logprobs, _logprobs, _no_logprobs, raw, token)
 
     def _inputs(self, batch: Batch) -> tuple[int, tuple]:
         rows, per_seq = self.max_num_seqs, self.pages_per_seq
+        seen = np.zeros((rows, self.model.config.vocab_size), bool)
+        want_logprobs = False
         decode = dict(
             input_ids=np.zeros((rows, 1), np.int32),
             positions=np.full((rows, 1), -1, np.int32),
@@ -335,7 +414,11 @@ class LLMEngine:
             # The key of a one-prompt `generate`'s only row.
             keys[r] = (req.seed & 0xFFFFFFFF, 0)
             generated[r] = len(seq.output)
-        return width, (decode, chunk, params, keys, generated)
+            if c.sample and params["repetition_penalty"][r] != 1.0:
+                # The prompt and every token generated so far, as `generate` penalizes them.
+                seen[r, seq.tokens] = True
+            want_logprobs |= c.sample and self._handles[seq.id].logprobs is not None
+        return width, (decode, chunk, params, keys, generated, seen, np.bool_(want_logprobs))
 
     def _loop(self) -> None:
         while True:
@@ -350,15 +433,19 @@ class LLMEngine:
                 width, inputs = self._inputs(batch)
                 rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
             try:
-                self.pages, tokens = self.compiled[width](self._state, self.pages, *inputs)
-                tokens = np.asarray(tokens)
+                self.pages, tokens, logprobs = self.compiled[width](
+                    self._state, self.pages, *inputs
+                )
+                tokens, logprobs = np.asarray(tokens), jax.tree.map(np.asarray, logprobs)
                 with self._wake:
-                    self._record(batch, {i: int(tokens[r]) for i, r in rows.items()})
+                    self._record(
+                        batch, {i: int(tokens[r]) for i, r in rows.items()}, logprobs, rows
+                    )
             except BaseException as error:  # the engine cannot go on: fail every request
                 self._fail_all(error)
                 return
 
-    def _record(self, batch: Batch, sampled: dict[int, int]) -> None:
+    def _record(self, batch: Batch, sampled: dict[int, int], logprobs, rows) -> None:
         """Hand a step's tokens to the scheduler and to the requests still waiting for them."""
         now = time.perf_counter()
         self.steps += 1
@@ -373,6 +460,8 @@ class LLMEngine:
         for i in sampled:
             handle = self._handles[i]
             handle.token_times.append(now)
+            if handle.logprobs is not None:
+                handle._add_logprobs(*(x[rows[i]] for x in logprobs))
             if handle._step(i in finished):
                 self.scheduler.cancel(handle.seq)
             if handle._done.is_set():
@@ -385,6 +474,11 @@ class LLMEngine:
                 handle._fail(error)
             self._handles.clear()
             self._closed = True
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine takes requests: not closed, and its thread has not died."""
+        return not self._closed and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         """The engine's counters now (see `EngineStats`)."""
@@ -420,11 +514,20 @@ class LLMEngine:
         seed: int = 0,
         stop_token_ids: Sequence[int] | None = None,
         stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        on_update: Callable[[], None] | None = None,
     ) -> RequestHandle:
-        """Queue one request (a string or token ids); returns its handle at once. The arguments
-        are `jaxlm.generate`'s, for one prompt; a bad one raises `ValueError` here."""
-        if repetition_penalty not in (None, 1, 1.0):
-            raise ValueError("`repetition_penalty` is not supported by `LLMEngine` yet")
+        """Queue one request (a string or token ids); returns its handle at once.
+
+        The sampling arguments are `jaxlm.generate`'s, for one prompt; a bad one raises
+        `ValueError` here, and a full queue `QueueFullError`. `logprobs=k` records each token's
+        log-probability and the `k` (at most `TOP_LOGPROBS`) most likely tokens' at its step.
+        `on_update` is called from the engine's thread whenever the handle has new deltas or
+        has ended; it must not block."""
+        if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
+            raise ValueError(
+                f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}"
+            )
         req = parse_request(
             self.model,
             self.tokenizer,
@@ -434,7 +537,7 @@ class LLMEngine:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            repetition_penalty=None,
+            repetition_penalty=repetition_penalty,
             seed=seed,
             stop_token_ids=stop_token_ids,
             stop=stop,
@@ -447,7 +550,8 @@ class LLMEngine:
             if self._closed:
                 raise RuntimeError("the engine is closed")
             seq = self.scheduler.submit(req.prompts[0], max_new_tokens)
-            handle = self._handles[seq.id] = RequestHandle(self, seq, req, self.tokenizer)
+            handle = RequestHandle(self, seq, req, self.tokenizer, logprobs, on_update)
+            self._handles[seq.id] = handle
             self._wake.notify()
         return handle
 
@@ -479,6 +583,24 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _logprobs(logits, token):
+    """Each row's log-probability of `token` and its `TOP_LOGPROBS` most likely tokens, from the
+    model's own distribution (before any penalty, temperature or filter), as OpenAI reports them."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    return chosen, ids, top
+
+
+def _no_logprobs(logits, token):
+    rows = logits.shape[0]
+    return (
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((rows, TOP_LOGPROBS), jnp.float32),
+    )
 
 
 def _buckets(max_tokens: int) -> tuple[int, ...]:
