@@ -32,7 +32,12 @@ def headless_matplotlib(monkeypatch):
 
 
 def test_there_are_notebooks():
-    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "memory_plan.ipynb", "gil.ipynb"}
+    assert {p.name for p in NOTEBOOKS} >= {
+        "quickstart.ipynb",
+        "memory_plan.ipynb",
+        "gil.ipynb",
+        "batching.ipynb",
+    }
 
 
 def test_kernel_runs_this_python():
