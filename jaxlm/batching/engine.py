@@ -475,6 +475,32 @@ class LLMEngine:
             self._handles.clear()
             self._closed = True
 
+    def describe(self) -> str:
+        """The engine's memory bill, from the compiled steps' memory analysis, as text."""
+        pages = self.pool.num_usable
+        temp = max(e.temp for e in self.executables.values())
+        rows = [
+            ("weights", format_bytes(self.weights_bytes)),
+            (
+                "KV pages",
+                f"{format_bytes(self.pages_bytes)}: {pages} pages of {self.page_size} tokens "
+                f"({pages * self.page_size} tokens; a sequence holds {self.max_seq_len})",
+            ),
+            ("temporaries", f"{format_bytes(temp)} (the largest step's)"),
+            ("total", f"{format_bytes(self.total_bytes)} (the peak of the largest step)"),
+            (
+                "batch",
+                f"{self.max_num_seqs} sequences, up to {self.buckets[-1]} prompt tokens a step "
+                f"({len(self.compiled)} compiled steps)",
+            ),
+        ]
+        return "\n".join(f"  {name:<12} {value}" for name, value in rows)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens a sequence holds, prompt and generated: its pages, or all of them."""
+        return min(self.scheduler.max_tokens_per_seq, self.pool.num_usable * self.page_size)
+
     @property
     def is_running(self) -> bool:
         """Whether the engine takes requests: not closed, and its thread has not died."""

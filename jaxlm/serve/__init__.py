@@ -1,0 +1,34 @@
+"""`jaxlm serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+Needs the `serve` extra (`pip install "jaxlm[serve]"`: Starlette, uvicorn, prometheus-client).
+
+Example:
+    >>> engine = jaxlm.LLMEngine(model, tokenizer, max_num_seqs=8, budget="2GiB")
+    >>> jaxlm.serve.run(engine, model_name="smollm2", port=8000)
+"""
+
+from __future__ import annotations
+
+from jaxlm.serve.app import create_app
+from jaxlm.serve.protocol import APIError
+
+__all__ = ["APIError", "create_app", "run"]
+
+# How long in-flight requests may run on after SIGINT or SIGTERM before they are cancelled.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def run(engine, model_name: str = "jaxlm", *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve `engine` until SIGINT or SIGTERM; then requests still running are cancelled (after
+    `GRACEFUL_SHUTDOWN_S` seconds), the engine closed and the port released."""
+    import uvicorn
+
+    app = create_app(engine, model_name, close_engine=True)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    uvicorn.Server(config).run()

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP API over an `LLMEngine`, as a Starlette application.
+
+The engine's thread runs the steps; the event loop only parses, submits and forwards what the
+handles produce. A handle's `on_update` wakes the request's task through
+`loop.call_soon_threadsafe`, so no thread waits per request and nothing blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxlm.batching.scheduler import QueueFullError
+from jaxlm.serve import protocol
+from jaxlm.serve.metrics import Metrics
+from jaxlm.serve.protocol import APIError
+
+# The largest request body; a prompt of a full context of text is far smaller.
+MAX_BODY_BYTES = 8 * 2**20
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+class _Choices:
+    """The handles of one request's choices, and the event that wakes its task."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.wake = asyncio.Event()
+        self.handles: list = []
+        self.arrival = time.perf_counter()
+
+    def notify(self) -> None:
+        # Called from the engine's thread; a loop already closed has no one left to wake.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    @property
+    def done(self) -> bool:
+        return all(h.done for h in self.handles)
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            if not h.done:
+                h.cancel()
+
+    async def updates(self) -> AsyncIterator[list]:
+        """Each handle's new deltas as `[(index, deltas, finished)]`, until all have ended."""
+        ended = [False] * len(self.handles)
+        while not all(ended):
+            await self.wake.wait()
+            self.wake.clear()
+            batch = []
+            for i, h in enumerate(self.handles):
+                if ended[i]:
+                    continue
+                finished = h.done  # read before the deltas, so none is left behind
+                deltas = h.deltas()
+                if deltas or finished:
+                    batch.append((i, deltas, finished))
+                ended[i] = finished
+            if batch:
+                yield batch
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel the request's sequences however the stream ends: a client
+    gone mid-stream frees its slot and pages at the engine's next step."""
+
+    def __init__(self, events: AsyncIterator[str], choices: _Choices):
+        super().__init__(events, media_type="text/event-stream")
+        self.headers["Cache-Control"] = "no-cache"
+        self.choices = choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.choices.cancel()
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """The endpoints of one engine serving one model under `model_name`."""
+
+    def __init__(self, engine, model_name: str):
+        if engine.tokenizer is None:
+            raise ValueError("`jaxlm serve` needs a tokenizer to read and write text")
+        self.engine, self.tokenizer, self.model_name = engine, engine.tokenizer, model_name
+        self.metrics = Metrics(engine)
+        self.created = protocol.now()
+
+    # Plumbing.
+
+    async def _body(self, request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, "`model` must be a string", param="model")
+        if model not in (None, self.model_name):
+            raise APIError(
+                404,
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+        if not self.engine.is_running:
+            raise APIError(503, "the engine has stopped")
+        return body
+
+    def _submit(self, prompts: list, parsed: protocol.Parsed, choices: _Choices) -> None:
+        """Submit every choice of every prompt (in the thread pool: tokenizing a long prompt
+        takes a while). A refused one cancels those before it."""
+        try:
+            for prompt in prompts:
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                sampling = dict(parsed.sampling)
+                if sampling["max_new_tokens"] is None:
+                    room = self.engine.max_seq_len - len(ids) + 1
+                    if room < 1:
+                        raise APIError(
+                            400,
+                            f"the prompt has {len(ids)} tokens; this server holds at most "
+                            f"{self.engine.max_seq_len} tokens a sequence",
+                            param="messages",
+                            code="context_length_exceeded",
+                        )
+                    sampling["max_new_tokens"] = room
+                seed = sampling.pop("seed")
+                seed = secrets.randbits(32) if seed is None else seed
+                for j in range(parsed.n):
+                    handle = self.engine.submit(
+                        ids, **sampling, seed=seed + j, on_update=choices.notify
+                    )
+                    choices.handles.append(handle)
+        except APIError:
+            choices.cancel()
+            raise
+        except QueueFullError as e:
+            choices.cancel()
+            raise APIError(429, str(e), code="queue_full") from None
+        except ValueError as e:
+            choices.cancel()
+            param = "max_tokens" if "max_new_tokens" in str(e) else "prompt"
+            raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param) from None
+        except RuntimeError as e:
+            choices.cancel()
+            raise APIError(503, str(e)) from None
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (role order, ...) raise anything
+            raise APIError(400, f"the chat template refused `messages`: {e}", "messages") from None
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        if not prompt:
+            raise APIError(400, "`messages` render to an empty prompt", param="messages")
+        return prompt
+
+    async def _start(self, request: Request, prompts: list, parsed) -> _Choices:
+        choices = _Choices(asyncio.get_running_loop())
+        await run_in_threadpool(self._submit, prompts, parsed, choices)
+        return choices
+
+    async def _wait(self, request: Request, choices: _Choices) -> list:
+        """Every choice's result; a client that leaves first cancels them."""
+        while not choices.done:
+            try:
+                await asyncio.wait_for(choices.wake.wait(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    choices.cancel()
+                    raise ClientDisconnect() from None
+            choices.wake.clear()
+        return [h.result() for h in choices.handles]
+
+    def _observe(self, endpoint: str, choices: _Choices, outputs: list) -> None:
+        for h, out in zip(choices.handles, outputs, strict=True):
+            self.metrics.observe(choices.arrival, h.token_times)
+            self.metrics.requests.labels(endpoint, out.finish_reason).inc()
+
+    def _usage(self, choices: _Choices, outputs: list) -> dict:
+        # A prompt counts once however many choices it has.
+        prompts = {id(h.seq.prompt): len(h.seq.prompt) for h in choices.handles}
+        return protocol.usage(sum(prompts.values()), sum(len(o.token_ids) for o in outputs))
+
+    # Endpoints.
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        parsed = protocol.parse_completion(body)
+        choices = await self._start(request, parsed.prompts, parsed)
+        head = dict(
+            id=protocol.new_id("cmpl"),
+            object="text_completion",
+            created=protocol.now(),
+            model=self.model_name,
+        )
+        if parsed.stream:
+            return _EventStream(self._stream_completion(head, parsed, choices), choices)
+        outputs = await self._wait(request, choices)
+        self._observe("completions", choices, outputs)
+        return JSONResponse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": out.text,
+                        "logprobs": None
+                        if out.logprobs is None
+                        else protocol.completion_logprobs(self.tokenizer, out.logprobs, 0),
+                        "finish_reason": protocol.finish_reason(out),
+                    }
+                    for i, out in enumerate(outputs)
+                ],
+                "usage": self._usage(choices, outputs),
+            }
+        )
+
+    async def _stream_completion(self, head, parsed, choices) -> AsyncIterator[str]:
+        offsets = [0] * len(choices.handles)
+        extra = {"usage": None} if parsed.include_usage else {}
+        async for batch in choices.updates():
+            for i, deltas, finished in batch:
+                for d in deltas:
+                    logprobs = None
+                    if d.logprobs is not None:
+                        logprobs = protocol.completion_logprobs(
+                            self.tokenizer, d.logprobs, offsets[i]
+                        )
+                    offsets[i] += len(d.text)
+                    choice = {"index": i, "text": d.text, "logprobs": logprobs}
+                    yield _sse({**head, "choices": [choice | {"finish_reason": None}], **extra})
+                if finished:
+                    reason = protocol.finish_reason(choices.handles[i].result())
+                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
+                    yield _sse({**head, "choices": [choice], **extra})
+        yield self._stream_end("completions", head, parsed, choices)
+
+    def _stream_end(self, endpoint, head, parsed, choices) -> str:
+        outputs = [h.result() for h in choices.handles]
+        self._observe(endpoint, choices, outputs)
+        end = ""
+        if parsed.include_usage:
+            end = _sse({**head, "choices": [], "usage": self._usage(choices, outputs)})
+        return end + "data: [DONE]\n\n"
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        parsed, messages = protocol.parse_chat(body)
+        prompt = await run_in_threadpool(self._chat_prompt, messages)
+        choices = await self._start(request, [prompt], parsed)
+        head = dict(
+            id=protocol.new_id("chatcmpl"),
+            object="chat.completion",
+            created=protocol.now(),
+            model=self.model_name,
+        )
+        if parsed.stream:
+            head["object"] = "chat.completion.chunk"
+            return _EventStream(self._stream_chat(head, parsed, choices), choices)
+        outputs = await self._wait(request, choices)
+        self._observe("chat", choices, outputs)
+        return JSONResponse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": out.text},
+                        "logprobs": None
+                        if out.logprobs is None
+                        else protocol.chat_logprobs(self.tokenizer, out.logprobs),
+                        "finish_reason": protocol.finish_reason(out),
+                    }
+                    for i, out in enumerate(outputs)
+                ],
+                "usage": self._usage(choices, outputs),
+            }
+        )
+
+    async def _stream_chat(self, head, parsed, choices) -> AsyncIterator[str]:
+        extra = {"usage": None} if parsed.include_usage else {}
+
+        def chunk(i, delta, logprobs=None, reason=None) -> str:
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            return _sse({**head, "choices": [choice], **extra})
+
+        for i in range(len(choices.handles)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for batch in choices.updates():
+            for i, deltas, finished in batch:
+                for d in deltas:
+                    logprobs = None
+                    if d.logprobs is not None:
+                        logprobs = protocol.chat_logprobs(self.tokenizer, d.logprobs)
+                    if d.text or logprobs:
+                        yield chunk(i, {"content": d.text}, logprobs)
+                if finished:
+                    reason = protocol.finish_reason(choices.handles[i].result())
+                    yield chunk(i, {}, reason=reason)
+        yield self._stream_end("chat", head, parsed, choices)
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "jaxlm",
+            "max_model_len": self.engine.max_seq_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "the engine has stopped"}, status_code=503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(engine, model_name: str = "jaxlm", *, close_engine: bool = False) -> Starlette:
+    """The OpenAI-compatible application over `engine`; with `close_engine`, the application's
+    shutdown closes the engine (its requests still running end as cancelled).
+
+    Example:
+        >>> app = create_app(jaxlm.LLMEngine(model, tokenizer, budget="2GiB"), "smollm2")
+        >>> uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+    server = Server(engine, model_name)
+
+    async def api_error(request: Request, error: APIError) -> Response:
+        return _error_response(error)
+
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return _error_response(APIError(error.status_code, error.detail))
+
+    async def disconnected(request: Request, error: ClientDisconnect) -> Response:
+        return Response(status_code=499)
+
+    async def internal_error(request: Request, error: Exception) -> Response:
+        return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+
+    async def lifespan(app):
+        yield
+        if close_engine:
+            await run_in_threadpool(engine.close)
+
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.prometheus, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: api_error,
+            HTTPException: http_error,
+            ClientDisconnect: disconnected,
+            Exception: internal_error,
+        },
+    )
+    app.state.server = server
+    return app

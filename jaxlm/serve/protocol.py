@@ -1,0 +1,270 @@
+"""OpenAI's request and response shapes: bodies checked into engine arguments, outputs into JSON.
+
+Every check raises `APIError` with the status, the field and a message that names its limit, so
+the server answers a bad request with OpenAI's error shape and never reaches the engine with it.
+Fields OpenAI defines that jaxlm does not implement are refused when they would change the
+output (`echo`, `presence_penalty`, ...) and ignored when they would not (`user`); fields
+OpenAI does not define are ignored, as OpenAI's own server does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Sequence
+
+from jaxlm.batching.engine import TOP_LOGPROBS, RequestOutput, TokenLogprob
+from jaxlm.requests import is_int
+
+# The most choices one request may ask for (`n`, times the prompts of a completion).
+MAX_CHOICES = 16
+# The most stop strings of a request.
+MAX_STOP = 16
+
+
+class APIError(Exception):
+    """An error to answer in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        if self.status == 404:
+            return "not_found_error"
+        if self.status in (429, 503):
+            return "server_overloaded" if self.status == 503 else "rate_limit_error"
+        return "invalid_request_error" if self.status < 500 else "internal_server_error"
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _number(body: dict, name: str, default, *, low=None, high=None, low_open=False, integer=False):
+    """`body[name]` (or `default` where it is absent or null), checked to be a number in range."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(name, f"`{name}` must be a number, got {type(value).__name__}")
+    if integer and not (is_int(value) or float(value).is_integer()):
+        raise _bad(name, f"`{name}` must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise _bad(name, f"`{name}` must be finite, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise _bad(name, f"`{name}` must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise _bad(name, f"`{name}` must be <= {high}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"`{name}` must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def _unsupported(body: dict, **off) -> None:
+    """Refuse OpenAI fields that would change the output, unless they hold their no-op value."""
+    for name, neutral in off.items():
+        value = body.get(name)
+        if value is not None and value not in neutral:
+            raise _bad(name, f"`{name}` is not supported by jaxlm (got {value!r})")
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A checked request: its prompts (text or token ids), the engine's sampling arguments,
+    and how to answer."""
+
+    prompts: list
+    sampling: dict
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    max_tokens: int | None
+
+
+def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
+    n = _number(body, "n", 1, low=1, high=MAX_CHOICES, integer=True)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "`stream_options` must be an object")
+    include_usage = _bool(options or {}, "include_usage")
+    if options is not None and not stream:
+        raise _bad("stream_options", "`stream_options` needs `stream: true`")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _bad("stop", "`stop` must be a non-empty string or a list of them")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise _bad("stop", f"`stop` holds at most {MAX_STOP} strings, got {len(stop)}")
+    seed = body.get("seed")
+    if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise _bad("seed", f"`seed` must be a 64-bit integer, got {seed!r}")
+    _unsupported(
+        body,
+        presence_penalty=(0, 0.0),
+        frequency_penalty=(0, 0.0),
+        logit_bias=({},),
+        tools=([],),
+        functions=([],),
+    )
+    top_k = _number(body, "top_k", None, integer=True, low=-1)
+    sampling = dict(
+        temperature=_number(body, "temperature", 1.0, low=0),
+        top_p=_number(body, "top_p", None, low=0, high=1, low_open=True),
+        top_k=None if top_k in (None, -1) else top_k,
+        min_p=_number(body, "min_p", None, low=0, high=1),
+        repetition_penalty=_number(body, "repetition_penalty", None, low=0, low_open=True),
+        stop=stop or None,
+        seed=seed,
+        logprobs=logprobs,
+    )
+    sampling["max_new_tokens"] = max_tokens
+    return sampling, n, stream, include_usage
+
+
+def parse_completion(body: dict) -> Parsed:
+    """The body of `POST /v1/completions`."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and is_int(prompt[0])):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise _bad("prompt", "`prompt` must be a string, a list of token ids or a list of such")
+    for p in prompts:
+        ok = isinstance(p, str) or (isinstance(p, list) and all(is_int(t) for t in p))
+        if not ok or not p:
+            raise _bad("prompt", "every prompt must be a non-empty string or list of token ids")
+    _unsupported(body, echo=(False,), suffix=("",), best_of=(1,))
+    logprobs = _number(body, "logprobs", None, low=0, high=TOP_LOGPROBS, integer=True)
+    max_tokens = _number(body, "max_tokens", 16, low=1, integer=True)
+    sampling, n, stream, usage = _common(body, logprobs, max_tokens)
+    if n * len(prompts) > MAX_CHOICES:
+        raise _bad("n", f"`n` times the prompts is at most {MAX_CHOICES}")
+    return Parsed(prompts, sampling, n, stream, usage, logprobs, max_tokens)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _bad(f"messages[{i}].content", "only text content parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content", "a text part's `text` must be a string")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if not isinstance(content, str):
+        raise _bad(f"messages[{i}].content", "`content` must be a string or a list of text parts")
+    return content
+
+
+def parse_chat(body: dict) -> tuple[Parsed, list[dict]]:
+    """The body of `POST /v1/chat/completions`, and its messages as the chat template takes
+    them."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "`messages` must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "a message must be an object with a string `role`")
+        if m["role"] not in ("system", "developer", "user", "assistant"):
+            raise _bad(f"messages[{i}].role", f"unsupported role {m['role']!r}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m, i)})
+    want = _bool(body, "logprobs")
+    top = _number(body, "top_logprobs", None, low=0, high=TOP_LOGPROBS, integer=True)
+    if top is not None and not want:
+        raise _bad("top_logprobs", "`top_logprobs` needs `logprobs: true`")
+    name = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
+    max_tokens = _number(body, name, None, low=1, integer=True)
+    _unsupported(body, response_format=({"type": "text"},), tool_choice=("none",))
+    logprobs = (top or 0) if want else None
+    sampling, n, stream, usage = _common(body, logprobs, max_tokens)
+    return Parsed([None], sampling, n, stream, usage, logprobs, max_tokens), out
+
+
+# Responses.
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finish_reason(output: RequestOutput) -> str:
+    return "length" if output.finish_reason == "length" else "stop"
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, logprobs: Sequence[TokenLogprob], offset: int) -> dict:
+    """The `logprobs` of a completion choice (or of a streamed piece starting at `offset`)."""
+    tokens = [_token_text(tokenizer, t.token_id) for t in logprobs]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [t.logprob for t in logprobs],
+        "top_logprobs": [{_token_text(tokenizer, i): p for i, p in t.top} for t in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, logprobs: Sequence[TokenLogprob]) -> dict:
+    """The `logprobs` of a chat choice: one entry per token, with its bytes and alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, p) for i, p in t.top]}
+            for t in logprobs
+        ]
+    }
