@@ -1,9 +1,12 @@
 """Generation throughput beside a busy pure-Python thread: who holds the GIL.
 
-Three workloads generate the same greedy tokens from the same weights:
+Four workloads generate greedy tokens from the same weights:
 - `generate`: `jaxlm.generate`, one XLA call per request (prefill and the whole decode loop);
 - `python loop`: `plan.prefill`, then `plan.decode` in a Python `for` loop with the argmax taken
   on the host after every step;
+- `engine`: a `jaxlm.LLMEngine` serving a stream of requests of several lengths, more than it
+  has rows, so that requests join the running batch as others leave; its own thread schedules
+  and runs one XLA call per step;
 - `transformers`: transformers' `generate` on a `LlamaForCausalLM` holding the same weights.
 
 Each runs alone and then beside a thread spinning `n += 1`, which holds the GIL whenever it can.
@@ -12,7 +15,9 @@ iterations/s alone and beside each workload. On a machine with two or more cores
 are pinned to core 0 and the busy thread to core 1, so the two compete for the GIL only, not
 for a core: the process's affinity is set to {0} before JAX creates its CPU client (XLA sizes
 its thread pools from it and its threads keep it), and the main thread gets every core back
-before measuring. transformers runs on one torch thread pinned to core 0 as well.
+before measuring. The engine's thread starts while the process is pinned, so it stays on core 0
+beside XLA's; the main thread only submits requests and waits for them. transformers runs on
+one torch thread pinned to core 0 as well.
 
 Usage: python benchmarks/gil.py [--model PATH] [--new-tokens 64] [--seconds 2] [--repeats 3]
 """
@@ -36,6 +41,10 @@ from jaxlm.bench import OtherLoad
 
 XLA_CPU = 0
 BUSY_CPU = 1
+# The engine workload: rows of its batch, and requests per round (twice the rows, so that some
+# wait and join the batch as others finish).
+ENGINE_SEQS = 4
+ENGINE_REQUESTS = 8
 
 
 def thread_affinities() -> dict[str, int]:
@@ -122,9 +131,13 @@ def main_thread_on(cpus):
         os.sched_setaffinity(0, old)
 
 
-def make_workloads(model, prompt: list[int], new_tokens: int, transformers: bool) -> dict:
-    """The workloads by name: a function generating `new_tokens` greedy tokens for `prompt`, and
-    the CPUs its calling thread should run on when pinned (None: any).
+def make_workloads(
+    model, prompt: list[int], new_tokens: int, transformers: bool, stack: contextlib.ExitStack
+) -> dict:
+    """The workloads by name: a function generating greedy tokens for `prompt` (`new_tokens` of
+    them, or a round of requests of up to as many for the engine) that returns how many it made,
+    and the CPUs its calling thread should run on when pinned (None: any). The engine closes
+    with `stack`.
     """
     import jax
 
@@ -158,7 +171,32 @@ def make_workloads(model, prompt: list[int], new_tokens: int, transformers: bool
         plan.keep(scratch)
         return new_tokens
 
-    workloads = {"generate": (generate, None), "python loop": (python_loop, None)}
+    # The same prompt with outputs of four lengths, pages for every row, a step wide enough for
+    # a whole prompt beside the decode tokens; no prefix cache, so that every round computes
+    # the same.
+    seq_len = len(prompt) + new_tokens
+    engine = stack.enter_context(
+        jaxlm.LLMEngine(
+            model,
+            max_num_seqs=ENGINE_SEQS,
+            max_seq_len=seq_len,
+            page_size=16,
+            num_pages=ENGINE_SEQS * -(-seq_len // 16) + 1,
+            max_num_batched_tokens=2 * bucket(len(prompt), 16),
+            prefix_cache=False,
+        )
+    )
+    lengths_new = [max(1, new_tokens * (4 - i % 4) // 4) for i in range(ENGINE_REQUESTS)]
+
+    def serve() -> int:
+        handles = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=[]) for n in lengths_new]
+        return sum(len(h.result().token_ids) for h in handles)
+
+    workloads = {
+        "generate": (generate, None),
+        "python loop": (python_loop, None),
+        "engine": (serve, None),
+    }
     if transformers:
         import torch
 
@@ -288,15 +326,17 @@ def run(
 
     model, _ = jaxlm.load(model_path, progress=False)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len).tolist()
-    workloads = make_workloads(model, prompt, new_tokens, transformers)
-    if pinned:
-        # Loading and compiling ran pinned, so every XLA thread started on core 0; the main
-        # thread now gets every core back and the busy thread takes core 1.
-        os.sched_setaffinity(0, pinned)
-    results = measure(workloads, seconds, repeats, pinned is not None)
+    with contextlib.ExitStack() as stack:
+        workloads = make_workloads(model, prompt, new_tokens, transformers, stack)
+        if pinned:
+            # Loading and compiling ran pinned, so every XLA thread (and the engine's) started
+            # on core 0; the main thread now gets every core back and the busy thread takes 1.
+            os.sched_setaffinity(0, pinned)
+        results = measure(workloads, seconds, repeats, pinned is not None)
+        affinities = thread_affinities()
     results.update(
         pinned=pinned is not None,
-        thread_affinities=thread_affinities(),
+        thread_affinities=affinities,
         repeats=repeats,
         seconds=seconds,
         prompt_len=prompt_len,

@@ -99,7 +99,7 @@ def test_peak_rss_restarts_after_a_reset():
 def test_gil_benchmark_measures_every_workload(tiny_tied):
     gil = load_benchmark("gil")
     results = gil.run(str(tiny_tied), prompt_len=5, new_tokens=4, seconds=0.05, repeats=1)
-    assert set(results["workloads"]) == {"generate", "python loop", "transformers"}
+    assert set(results["workloads"]) == {"generate", "python loop", "engine", "transformers"}
     assert results["busy_alone_it_s"] > 0
     for w in results["workloads"].values():
         assert w["alone_tok_s"] > 0
@@ -107,6 +107,7 @@ def test_gil_benchmark_measures_every_workload(tiny_tied):
         assert w["busy_beside_it_s"] > 0
     table = gil.format_table(results)
     assert "python loop" in table
+    assert any(line.split()[0] == "engine" for line in table.splitlines()[1:] if line.strip())
     assert "busy beside/alone" in table
 
 
