@@ -9,6 +9,8 @@ Example:
 
 from __future__ import annotations
 
+import signal
+
 from jaxlm.serve.app import create_app
 from jaxlm.serve.protocol import APIError
 
@@ -31,4 +33,14 @@ def run(engine, model_name: str = "jaxlm", *, host: str = "127.0.0.1", port: int
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    uvicorn.Server(config).run()
+    # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: exit 0 then,
+    # as the server has stopped cleanly (SIGINT raises `KeyboardInterrupt` as usual).
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit(signum, frame) -> None:
+    raise SystemExit(0)

@@ -373,6 +373,7 @@ def create_app(engine, model_name: str = "jaxlm", *, close_engine: bool = False)
     async def internal_error(request: Request, error: Exception) -> Response:
         return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
 
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         if close_engine:
