@@ -1,4 +1,4 @@
-"""The `jaxlm` command line: `generate`, `chat`, `plan` and `bench`."""
+"""The `jaxlm` command line: `generate`, `chat`, `plan`, `serve` and `bench`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,21 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", default=None, help="bytes or a size such as 1.5GiB")
     pl.add_argument("--prefill-chunk", type=_positive_int, default=None)
 
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs `jaxlm[serve]`)")
+    _model_options(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the `model` clients name")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=8, help="sequences at once")
+    s.add_argument("--max-seq-len", type=_positive_int, default=None, help="tokens a sequence")
+    s.add_argument("--page-size", type=_positive_int, default=16, help="tokens a KV page")
+    s.add_argument(
+        "--budget", default=None, help="memory for the engine (e.g. 4GiB): it picks the pages"
+    )
+    s.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages, instead")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=256)
+    s.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+
     b = sub.add_parser("bench", help="benchmark prefill and decode (see benchmarks/bench.py)")
     _model_options(b)
     from jaxlm.bench import add_arguments
@@ -178,6 +193,39 @@ def _plan(args) -> None:
     print(plan)
 
 
+def _serve(args) -> None:
+    import jaxlm
+    from jaxlm.loading import default_model_path
+
+    try:
+        from jaxlm import serve
+    except ImportError as e:
+        raise ValueError(
+            f"`jaxlm serve` needs the serve extra: pip install 'jaxlm[serve]' ({e})"
+        ) from None
+    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
+    max_seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 4096)
+    num_pages = args.num_pages
+    if num_pages is None and args.budget is None:
+        # Room for every sequence at its longest, so none is ever preempted.
+        num_pages = 1 + args.max_num_seqs * -(-max_seq_len // args.page_size)
+    name = args.served_model_name or Path(args.model or default_model_path()).stem
+    print(f"jaxlm serve: compiling the steps of `{name}`...", file=sys.stderr)
+    engine = jaxlm.LLMEngine(
+        model,
+        tokenizer,
+        max_num_seqs=args.max_num_seqs,
+        max_seq_len=max_seq_len,
+        page_size=args.page_size,
+        num_pages=num_pages,
+        budget=args.budget,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_cache=not args.no_prefix_cache,
+    )
+    print(f"{engine.describe()}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve.run(engine, name, host=args.host, port=args.port)
+
+
 def _without_ynnpack(dtype) -> None:
     """Turn off XLA:CPU's YNNPACK fusions for a float32 model, unless `XLA_FLAGS` says otherwise.
 
@@ -195,10 +243,10 @@ def _without_ynnpack(dtype) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.command in ("generate", "chat"):
+    if args.command in ("generate", "chat", "serve"):
         _without_ynnpack(args.dtype)
     enable_compilation_cache()
-    commands = {"generate": _generate, "chat": _chat, "plan": _plan}
+    commands = {"generate": _generate, "chat": _chat, "plan": _plan, "serve": _serve}
     try:
         if args.command == "bench":
             from jaxlm.bench import run
