@@ -228,25 +228,23 @@ class Server:
         )
         if parsed.stream:
             return _EventStream(self._stream_completion(head, parsed, choices), choices)
+        return await self._respond(request, "completions", head, choices, self._text_choice)
+
+    def _text_choice(self, out) -> dict:
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = protocol.completion_logprobs(self.tokenizer, out.logprobs, 0)
+        return {"text": out.text, "logprobs": logprobs}
+
+    async def _respond(self, request, endpoint, head, choices, choice) -> Response:
+        """The whole answer once every choice has ended; `choice` gives each one's body."""
         outputs = await self._wait(request, choices)
-        self._observe("completions", choices, outputs)
-        return JSONResponse(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "text": out.text,
-                        "logprobs": None
-                        if out.logprobs is None
-                        else protocol.completion_logprobs(self.tokenizer, out.logprobs, 0),
-                        "finish_reason": protocol.finish_reason(out),
-                    }
-                    for i, out in enumerate(outputs)
-                ],
-                "usage": self._usage(choices, outputs),
-            }
-        )
+        self._observe(endpoint, choices, outputs)
+        body = [
+            {"index": i, **choice(out), "finish_reason": protocol.finish_reason(out)}
+            for i, out in enumerate(outputs)
+        ]
+        return JSONResponse({**head, "choices": body, "usage": self._usage(choices, outputs)})
 
     async def _stream_completion(self, head, parsed, choices) -> AsyncIterator[str]:
         offsets = [0] * len(choices.handles)
@@ -290,25 +288,13 @@ class Server:
         if parsed.stream:
             head["object"] = "chat.completion.chunk"
             return _EventStream(self._stream_chat(head, parsed, choices), choices)
-        outputs = await self._wait(request, choices)
-        self._observe("chat", choices, outputs)
-        return JSONResponse(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": out.text},
-                        "logprobs": None
-                        if out.logprobs is None
-                        else protocol.chat_logprobs(self.tokenizer, out.logprobs),
-                        "finish_reason": protocol.finish_reason(out),
-                    }
-                    for i, out in enumerate(outputs)
-                ],
-                "usage": self._usage(choices, outputs),
-            }
-        )
+        return await self._respond(request, "chat", head, choices, self._chat_choice)
+
+    def _chat_choice(self, out) -> dict:
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = protocol.chat_logprobs(self.tokenizer, out.logprobs)
+        return {"message": {"role": "assistant", "content": out.text}, "logprobs": logprobs}
 
     async def _stream_chat(self, head, parsed, choices) -> AsyncIterator[str]:
         extra = {"usage": None} if parsed.include_usage else {}
