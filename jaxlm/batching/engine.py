@@ -275,6 +275,7 @@ class LLMEngine:
             max_prefill_chunks=1,
         )
         self.pages = jax.jit(lambda: self._zeros(num_pages))()
+        self._unseen = np.zeros((max_num_seqs, model.config.vocab_size), bool)
         self.steps = 0
         self.prefill_tokens = 0
         self.generated_tokens = 0
@@ -375,7 +376,7 @@ class LLMEngine:
 
     def _inputs(self, batch: Batch) -> tuple[int, tuple]:
         rows, per_seq = self.max_num_seqs, self.pages_per_seq
-        seen = np.zeros((rows, self.model.config.vocab_size), bool)
+        seen = self._unseen
         want_logprobs = False
         decode = dict(
             input_ids=np.zeros((rows, 1), np.int32),
@@ -415,7 +416,10 @@ class LLMEngine:
             keys[r] = (req.seed & 0xFFFFFFFF, 0)
             generated[r] = len(seq.output)
             if c.sample and params["repetition_penalty"][r] != 1.0:
-                # The prompt and every token generated so far, as `generate` penalizes them.
+                # The prompt and every token generated so far, as `generate` penalizes them;
+                # steps without a penalty share one all-false mask.
+                if seen is self._unseen:
+                    seen = np.zeros_like(self._unseen)
                 seen[r, seq.tokens] = True
             want_logprobs |= c.sample and self._handles[seq.id].logprobs is not None
         return width, (decode, chunk, params, keys, generated, seen, np.bool_(want_logprobs))
