@@ -70,7 +70,12 @@ def test_requests_from_threads_equal_their_solo_runs_and_compile_nothing(tiny):
         stats = e.stats()
         assert (stats.running, stats.waiting, stats.pages_in_use, stats.finished) == (0, 0, 0, 16)
         assert stats.generated_tokens == sum(n for _, n in reqs)
-        assert stats.prefill_tokens == sum(len(p) for p, _ in reqs) - stats.cached_prompt_tokens
+        # Every prompt token computed or taken from the cache, some twice if pages ran out.
+        covered, prompts = (
+            stats.prefill_tokens + stats.cached_prompt_tokens,
+            sum(len(p) for p, _ in reqs),
+        )
+        assert covered == prompts if stats.preemptions == 0 else covered >= prompts
         e.pool.clear_cache()
         assert e.pool.num_available == e.pool.num_usable
 
