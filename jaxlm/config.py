@@ -10,8 +10,19 @@ from typing import Any
 
 from jaxlm.errors import LoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -24,12 +35,17 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # LongRoPE: each frequency's divisor for short and for long sequences, and the scale of
+    # `cos` and `sin` (see `jaxlm.layers.rope_cos_sin`).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Configuration of a decoder: Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2/3, OLMo 2, Gemma 2
-    and 3.
+    and 3, Phi-3.
 
     Field names are the keys of a Hugging Face `config.json`. Build one with `from_hf_config`.
     """
@@ -62,6 +78,15 @@ class ModelConfig:
     # Gemma 3: the RoPE base of the sliding layers, which take no scaling; the full layers use
     # `rope_theta` and `rope_scaling`.
     rope_local_base_freq: float | None = None
+    # Phi-3: the fraction of each head's features that rotate (see `rotary_dim`).
+    partial_rotary_factor: float = 1.0
+    # Mixtral and Qwen3-MoE: each layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, of which each token takes `num_experts_per_tok` (see
+    # `jaxlm.models.moe`); none in a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -101,6 +126,19 @@ class ModelConfig:
                 raise LoadError(f"unsupported `layer_types` {sorted(unknown)}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise LoadError("`layer_types` has sliding layers but no `sliding_window`")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise LoadError(
+                f"`partial_rotary_factor` {self.partial_rotary_factor!r} must rotate an even, "
+                f"nonzero number of the {self.head_dim} features of a head"
+            )
+        scaling = self.rope_scaling
+        if scaling.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise LoadError(
+                        f"RoPE scaling `{name}` has {len(getattr(scaling, name))} entries, the "
+                        f"rotary embedding {self.rotary_dim // 2} frequencies"
+                    )
         if self.bos_token_id is not None:
             _token_id(self.bos_token_id, "bos_token_id")
         for token in self.eos_token_id:
@@ -109,6 +147,11 @@ class ModelConfig:
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's leading features rotate, as transformers rounds them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_layer_types(self) -> tuple[str, ...]:
@@ -170,12 +213,16 @@ class ModelConfig:
         local_theta = None
         if gemma3:
             config, local_theta = _gemma3_rope(config)
+        phi3 = model_type == "phi3"
+        if phi3:
+            config = _phi3_config(config)
         rope_theta, scaling = _rope_settings(config)
         if model_type == "qwen2" and config.get("use_sliding_window"):
             raise LoadError("Qwen2 `use_sliding_window` is not supported")
-        if model_type == "qwen3" and config.get("use_sliding_window"):
+        if model_type in ("qwen3", "qwen3_moe") and config.get("use_sliding_window"):
             raise LoadError("Qwen3 `use_sliding_window` is not supported")
-        sliding_window = config.get("sliding_window") if model_type == "mistral" or gemma else None
+        windowed = model_type in ("mistral", "phi3", "mixtral") or gemma
+        sliding_window = config.get("sliding_window") if windowed else None
         layer_types = config.get("layer_types")
         if gemma and layer_types is None:
             # transformers' default: every `sliding_window_pattern`-th layer is full, the others
@@ -210,7 +257,7 @@ class ModelConfig:
             tie_word_embeddings=_bool(config, "tie_word_embeddings"),
             attention_bias=model_type == "qwen2" or _bool(config, "attention_bias"),
             mlp_bias=_bool(config, "mlp_bias"),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sliding_window=sliding_window,
             layer_types=None if layer_types is None else tuple(layer_types),
             query_pre_attn_scalar=_optional_number(config, "query_pre_attn_scalar", gemma),
@@ -220,8 +267,10 @@ class ModelConfig:
             ),
             final_logit_softcapping=_optional_number(config, "final_logit_softcapping", gemma),
             rope_local_base_freq=local_theta,
+            partial_rotary_factor=config["partial_rotary_factor"] if phi3 else 1.0,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
+            **_moe_settings(config, model_type),
         )
 
     @classmethod
@@ -249,9 +298,42 @@ class ModelConfig:
         if self.model_type == "olmo2":
             attn += q + kv  # q and k norms over all heads
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        if self.num_experts:
+            # The experts and the router.
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
         layer = attn + mlp + (4 if self.model_type in ("gemma2", "gemma3_text") else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
+
+
+def _moe_settings(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The `ModelConfig` fields of a mixture of experts (none for a dense `model_type`).
+
+    Mixtral renormalises the chosen experts' weights, Qwen3-MoE where `norm_topk_prob`. The
+    key of the expert count is `num_local_experts` in Mixtral's configs and in those
+    transformers 5 writes, `num_experts` in Qwen3-MoE's on the Hub.
+    """
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    if model_type == "qwen3_moe":
+        # Layers with a dense MLP instead of experts.
+        if _default(config, "decoder_sparse_step", 1) != 1:
+            raise LoadError("Qwen3-MoE `decoder_sparse_step` other than 1 is not supported")
+        if _default(config, "mlp_only_layers", []):
+            raise LoadError("Qwen3-MoE `mlp_only_layers` are not supported")
+    key = "num_local_experts" if "num_local_experts" in config else "num_experts"
+    experts = _positive_int(config.get(key), key)
+    top_k = _positive_int(config.get("num_experts_per_tok"), "num_experts_per_tok")
+    if top_k > experts:
+        raise LoadError(f"`num_experts_per_tok` ({top_k}) exceeds `{key}` ({experts})")
+    mixtral = model_type == "mixtral"
+    inter = "intermediate_size" if mixtral else "moe_intermediate_size"
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": mixtral or _bool(config, "norm_topk_prob"),
+        "moe_intermediate_size": _positive_int(config.get(inter), inter),
+    }
 
 
 def _positive_int(value, name: str) -> int:
@@ -350,6 +432,8 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
         )
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type == "longrope":
+        return theta, _longrope(config, params)
     if "factor" not in params:
         raise LoadError(f"RoPE scaling `{rope_type}` needs a `factor`")
     original = params.get("original_max_position_embeddings")
@@ -373,3 +457,70 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
                 f"{scaling.low_freq_factor!r} and {scaling.high_freq_factor!r}"
             )
     return theta, scaling
+
+
+def _longrope(config: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """LongRoPE's settings as transformers computes them: the top-level
+    `original_max_position_embeddings` before the RoPE settings' own; `factor` by default
+    `max_position_embeddings / original_max_position_embeddings`, and the scale of `cos` and
+    `sin`, `attention_factor`, by default `sqrt(1 + log(factor) / log(original))` (1 where
+    `factor` <= 1)."""
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = params.get(name)
+        if not isinstance(values, list) or not values:
+            raise LoadError(f"RoPE scaling `longrope` needs `{name}`, a list of numbers")
+        factors[name] = tuple(_number(v, name) for v in values)
+        if not all(v > 0 for v in factors[name]):
+            raise LoadError(f"RoPE scaling `{name}` must be positive, got {values!r}")
+    max_len = _default(config, "max_position_embeddings", 2048)
+    original = _positive_int(
+        _default(
+            config,
+            "original_max_position_embeddings",
+            _default(params, "original_max_position_embeddings", max_len),
+        ),
+        "original_max_position_embeddings",
+    )
+    factor = params.get("factor")
+    factor = max_len / original if factor is None else _number(factor, "factor")
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    attention = _number(attention, "attention_factor")
+    if not attention > 0:
+        raise LoadError(f"RoPE scaling `attention_factor` must be positive, got {attention!r}")
+    return RopeScaling(
+        rope_type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=attention,
+        **factors,
+    )
+
+
+def _phi3_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's config as transformers' `Phi3Config` reads it: RoPE `default` or `longrope`
+    (which older configs call `su` or `yarn`), `original_max_position_embeddings` 4096 where
+    the config leaves it out, and `partial_rotary_factor` from the RoPE settings or else the top
+    level. Phi-3 has no biases; a config that asks for them is refused."""
+    for name in ("attention_bias", "mlp_bias", "lm_head_bias"):
+        if _bool(config, name):
+            raise LoadError(f"Phi-3 `{name}` is not supported")
+    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    params = config.get(key) or {}
+    if not isinstance(params, dict):
+        raise LoadError(f"`{key}` must be a JSON object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+    if rope_type not in ("default", "longrope"):
+        raise LoadError(
+            f"unsupported RoPE scaling type {rope_type!r} for Phi-3; only `default` and `longrope`"
+        )
+    partial = params.get("partial_rotary_factor", _default(config, "partial_rotary_factor", 1.0))
+    return {
+        "original_max_position_embeddings": 4096,
+        **config,
+        key: {**params, "rope_type": rope_type},
+        "partial_rotary_factor": _number(partial, "partial_rotary_factor"),
+    }

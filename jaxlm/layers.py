@@ -174,14 +174,18 @@ class GeGLU(MLP):
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies `[head_dim // 2]` of the rotary embedding, with static scaling applied.
+    """Inverse frequencies `[rotary_dim // 2]` of the rotary embedding, with static scaling
+    applied (LongRoPE's short factors).
 
-    Dynamic NTK scaling depends on the sequence length and is applied in `rope_cos_sin`.
+    Dynamic NTK scaling and LongRoPE's long factors depend on the sequence length and are
+    applied in `rope_cos_sin`.
     """
-    d = config.head_dim
+    d = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
     scaling = config.rope_scaling
-    if scaling.rope_type == "linear":
+    if scaling.rope_type == "longrope":
+        inv_freq = _longrope_inv_freq(config, scaling.short_factor)
+    elif scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
         old_len = scaling.original_max_position_embeddings
@@ -198,8 +202,16 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def _longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...]) -> np.ndarray:
+    # In transformers' order of float32 operations: each base power times its factor, inverted.
+    d = config.rotary_dim
+    powers = config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    return (1.0 / (np.asarray(factors, np.float32) * powers)).astype(np.float32)
+
+
 def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`cos` and `sin` of the rotary angles for `positions` `[B, T]`, each `[head_dim, B, T]`."""
+    """`cos` and `sin` of the rotary angles for `positions` `[B, T]`, each `[rotary_dim, B, T]`,
+    scaled by LongRoPE's `attention_factor`."""
     inv_freq = jnp.asarray(rope_inv_freq(config))
     scaling = config.rope_scaling
     if scaling.rope_type == "dynamic":
@@ -211,13 +223,27 @@ def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, 
             d / (d - 2)
         )
         inv_freq = 1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    angles = inv_freq[:, None, None] * positions.astype(jnp.float32)  # [head_dim // 2, B, T]
+    angles = inv_freq[:, None, None] * positions.astype(jnp.float32)  # [rotary_dim // 2, B, T]
+    if scaling.rope_type == "longrope":
+        # A row takes the long factors where its last position reaches the original context:
+        # transformers chooses so for all the positions of a call (see `jaxlm.models.phi3`).
+        long = jnp.max(positions, axis=1) >= scaling.original_max_position_embeddings  # [B]
+        long_freq = jnp.asarray(_longrope_inv_freq(config, scaling.long_factor))
+        long_angles = long_freq[:, None, None] * positions.astype(jnp.float32)
+        angles = jnp.where(long[:, None], long_angles, angles)
     angles = jnp.concatenate([angles, angles], axis=0)
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate `x` `[heads, head_dim, B, T]` (the rotate-half convention of Hugging Face)."""
+    """Rotate `x` `[heads, head_dim, B, T]` (the rotate-half convention of Hugging Face): its
+    first `cos.shape[0]` features, the others passing unchanged (partial rotary embeddings)."""
+    rotary = cos.shape[0]
+    if rotary < x.shape[1]:
+        return jnp.concatenate([apply_rope(x[:, :rotary], cos, sin), x[:, rotary:]], axis=1)
     half = x.shape[1] // 2
     rotated = jnp.concatenate([-x[:, half:], x[:, :half]], axis=1)
     return x * cos + rotated * sin

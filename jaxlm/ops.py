@@ -103,6 +103,73 @@ def mlp_column_parts(cols: int) -> int:
     return 2 if _multithreaded_cpu() and cols in _HALVED_COLUMNS and cols % 2 == 0 else 1
 
 
+# A mixture-of-experts layer gathers its chosen experts' weights while they are at most this
+# share of all its experts' weights.
+_GATHERED_SHARE = 1 / 4
+
+
+def expert_storage(weight: jax.Array) -> jax.Array:
+    """Stacked experts' weights `[experts, ...]` as stored: on CPU, 16-bit ones as their
+    `uint16` bits, which `expert_products` reads.
+
+    XLA:CPU gathers or slices 16-bit floats from a float32 copy of the whole array, hoisted out
+    of the decode loop: a float32 copy of every expert. Their bits gather in place, exactly, as
+    an embedding table's (see `embedding_storage`).
+    """
+    if weight.dtype.itemsize == 2 and platform() == "cpu":
+        return jax.lax.bitcast_convert_type(weight, jnp.uint16)
+    return weight
+
+
+def expert_products(x, gate_up, down, index, weight, activation, dtype):
+    """A mixture of gated MLPs: each token's `sum_j weight[n, j] * down_e(activation(gate_e(x))
+    * up_e(x))` over its chosen experts `e = index[n, j]`, for `x` `[hidden, N]`, `gate_up`
+    `[experts, 2 * inter, hidden]` (gate rows, then up), `down` `[experts, hidden, inter]`,
+    stored by `expert_storage` for `dtype`, and `index` and `weight` `[N, top_k]`; returns
+    `[hidden, N]` (float32).
+
+    Variants:
+    - Few tokens (a decode step): the chosen experts' weights gathered and only those
+      multiplied, a cost that grows with `top_k` and not with the experts.
+    - More tokens, from a quarter of the experts' weights on: every expert multiplied, the
+      unchosen weighed by zero, which ran faster than copying each token's experts out (see
+      `docs/performance.md`, "Expert products"). Weights stored as bits go one expert at a
+      time, each sliced as gathering does; others as one product, which a mesh splits by
+      expert.
+    """
+    f32, experts = jnp.float32, gate_up.shape[0]
+
+    def values(w):
+        return jax.lax.bitcast_convert_type(w, dtype) if w.dtype == jnp.uint16 else w
+
+    if index.size <= _GATHERED_SHARE * experts:
+        # Token by token, each product through `matmul`, whose one-column variants run
+        # natively: a batched one-column dot converted the gathered experts to float32.
+        ys = []
+        for n, (chosen, w) in enumerate(zip(index, weight, strict=True)):
+            up_gate = values(jnp.take(gate_up, chosen, axis=0))  # [top_k, 2 * inter, hidden]
+            gate, up = jnp.split(matmul(up_gate, x[:, n : n + 1]), 2, axis=1)
+            h = activation(gate) * up * w[:, None, None]  # [top_k, inter, 1]
+            downs = values(jnp.take(down, chosen, axis=0))  # [top_k, hidden, inter]
+            ys.append(sum(matmul(d, part) for d, part in zip(downs, h, strict=True)))
+        return jnp.concatenate(ys, axis=1)
+    # [experts, N]: each token's weight of each expert, zero where it did not choose it.
+    dense = jnp.sum(jax.nn.one_hot(index, experts, dtype=f32) * weight[..., None], axis=1).T
+    if gate_up.dtype == jnp.uint16:
+
+        def expert(y, e):
+            gate, up = jnp.split(matmul(values(gate_up[e]), x), 2)  # [inter, N] each
+            return y + matmul(values(down[e]), activation(gate) * up * dense[e]), None
+
+        return jax.lax.scan(expert, jnp.zeros(x.shape, f32), jnp.arange(experts))[0]
+    gate, up = jnp.split(matmul(gate_up, x), 2, axis=1)  # [experts, inter, N] each
+    h = activation(gate) * up * dense[:, None]
+    # Batched by expert, the weights as they lie: contracting the experts too made XLA copy
+    # `down` transposed.
+    dims = (((2,), (1,)), ((0,), (0,)))
+    return jax.lax.dot_general(down, h.astype(dtype), dims, preferred_element_type=f32).sum(0)
+
+
 def rows_last(y: jax.Array) -> jax.Array:
     """A feature-major product's result `[features, ...]` as `[..., features]`.
 

@@ -10,12 +10,14 @@ axes jaxlm uses:
   their rows in the row-parallel o and down projections (XLA adds the reduction), and the
   vocabulary of the embedding and LM head.
 
-The logical axes are `"heads"`, `"kv_heads"`, `"mlp"`, `"vocab"` and `"batch"`. The `model` axis
-must divide the attention heads and the MLP width, or `shard` refuses the mesh. A grouped-query
-model with fewer KV heads than `model` devices (or a count the axis does not divide) replicates
-its KV heads: each device keeps every KV head and, as they share one projection (see
-`jaxlm.models.llama.Attention`), every query head, while the o projection still splits. A
-vocabulary the axis does not divide is replicated too.
+The logical axes are `"heads"`, `"kv_heads"`, `"mlp"`, `"vocab"`, `"experts"` and `"batch"`.
+The `model` axis must divide the attention heads and the MLP width, or `shard` refuses the
+mesh. A grouped-query model with fewer KV heads than `model` devices (or a count the axis does
+not divide) replicates its KV heads: each device keeps every KV head and, as they share one
+projection (see `jaxlm.models.llama.Attention`), every query head, while the o projection
+still splits. A vocabulary the axis does not divide is replicated too. A mixture of experts
+(`"experts"`) splits its experts over `model` where the axis divides their count (expert
+parallelism), and replicates them otherwise.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class Partitioner:
             "mlp": "model",
             "kv_heads": "model" if c.num_key_value_heads % m == 0 else None,
             "vocab": "model" if c.vocab_size % m == 0 else None,
+            # Expert parallelism: each device holds whole experts.
+            "experts": "model" if c.num_experts and c.num_experts % m == 0 else None,
         }
         # A mesh may have only one of the two axes.
         self.rules = {k: v if v in mesh.axis_names else None for k, v in rules.items()}

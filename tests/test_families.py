@@ -152,6 +152,34 @@ FULL_SIZE = {
             max_position_embeddings=32768,
         ),
     ),
+    # As its `config.json` on the Hub writes it, with its LongRoPE factors replaced by ones.
+    "Phi-3.5-mini-instruct": (
+        3_821_079_552,
+        dict(
+            model_type="phi3",
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=32000,
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            rope_theta=10000.0,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0] * 48,
+                "long_factor": [1.0] * 48,
+            },
+            sliding_window=262144,
+            attention_bias=False,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 LENGTHS = [11, 4, 7]
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 50]

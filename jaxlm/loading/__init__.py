@@ -35,6 +35,31 @@ STACKED = {".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}
 GROUPED = {
     ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.")
 }
+# The families whose checkpoints hold these joined parameters as one tensor each, named as the
+# parameter, its parts (those of `STACKED` or `GROUPED`) concatenated along the rows.
+FUSED = {"phi3": (".self_attn.qkv_proj.", ".mlp.gate_up_proj.")}
+# A mixture of experts stacks each layer's experts in one parameter (see `jaxlm.models.moe`),
+# as checkpoints that transformers 5 writes with `save_original_format=False` hold them. The
+# Hub's hold one tensor per expert: by `model_type`, a part of the parameter's name -> the same
+# part of each expert's tensors (`{e}` its index), in order, joined as `"experts"`; a part
+# without `{e}` renames a tensor (Mixtral's router).
+PER_EXPERT = {
+    "mixtral": {
+        ".mlp.gate.": (".block_sparse_moe.gate.",),
+        ".mlp.experts.gate_up_proj": (
+            ".block_sparse_moe.experts.{e}.w1.weight",
+            ".block_sparse_moe.experts.{e}.w3.weight",
+        ),
+        ".mlp.experts.down_proj": (".block_sparse_moe.experts.{e}.w2.weight",),
+    },
+    "qwen3_moe": {
+        ".mlp.experts.gate_up_proj": (
+            ".mlp.experts.{e}.gate_proj.weight",
+            ".mlp.experts.{e}.up_proj.weight",
+        ),
+        ".mlp.experts.down_proj": (".mlp.experts.{e}.down_proj.weight",),
+    },
+}
 
 
 def default_model_path() -> Path:
@@ -91,6 +116,7 @@ def load(
     parallelism as `jaxlm.sharding` describes, and each device receives only its own piece of
     each tensor.
 
+
     Raises:
         FileNotFoundError: `path` or a file it needs does not exist.
         LoadError: a file is corrupt, truncated or unsupported, or the config and the tensors
@@ -114,7 +140,13 @@ def load(
         where = path / "config.json" if path.is_dir() else path
         raise LoadError(f"{where}: {e}") from None
     model = build_model(
-        config, checkpoint, dtype, progress, source=path, check_finite=check_finite, mesh=mesh
+        config,
+        checkpoint,
+        dtype,
+        progress,
+        source=path,
+        check_finite=check_finite,
+        mesh=mesh,
     )
     release_host_memory()
     return model, checkpoint.tokenizer
@@ -146,7 +178,8 @@ def build_model(
     abstract = model_class(config).abstract(config, dtype=dtype)
     graphdef, state = nnx.split(abstract)
     variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
-    needed = {part for name in variables for part in checkpoint_names(name)}
+    stored = {name: _stored_as(name, config, available) for name in variables}
+    needed = {part for parts, _ in stored.values() for part in parts}
     missing = sorted(needed - available)
     unexpected = sorted(available - needed)
     if missing:
@@ -163,9 +196,10 @@ def build_model(
         expected = var.get_value().shape
         # A parameter the model stores as the bits of `dtype` (see `Embedding`).
         bits = var.get_value().dtype == jnp.uint16
-        parts, kind = checkpoint_names(name), _join_kind(name)
-        shapes = _part_shapes(config, kind, expected)
-        for part, shape in zip(parts, shapes, strict=True):
+        parts, kind = stored[name]
+        shapes = _part_shapes(config, kind, expected, len(parts))
+        fused = len(parts) < len(shapes)
+        for part, shape in zip(parts, _stored_shapes(shapes, fused), strict=True):
             _check_shape(where, part, checkpoint.shape(part), shape)
         if partitioner is None:
             values = []
@@ -173,12 +207,14 @@ def build_model(
                 raw, decode = checkpoint.encoded(part)
                 value, finite[part] = to_model(raw, decode=decode, dtype=dtype, bits=bits)
                 values.append(value)
-            value = values[0] if kind is None else joined(kind, values, expected)
+            value = values[0] if kind is None else joined(kind, values, expected, tuple(shapes))
         else:
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
+            if fused:
+                readers = [_rows_reader(readers[0], rows) for rows in _fused_rows(shapes)]
             value = _place(kind, readers, shapes, expected, dtype, sharding)
-            value, checks = placed(kind, value, tuple(shapes), bits=bits)
+            value, checks = placed(kind, value, tuple(shapes), bits=bits, fused=fused)
             finite.update(zip(parts, checks, strict=True))
         var.set_value(value)
     # The checks ran as each tensor was placed; reading their results once at the end keeps
@@ -199,8 +235,10 @@ def _loading_steps():
     """
     return (
         jax.jit(functools.partial(_to_model), static_argnames=("decode", "dtype", "bits")),
-        jax.jit(functools.partial(_join), static_argnums=(0, 2)),
-        jax.jit(functools.partial(_placed), static_argnums=(0, 2), static_argnames="bits"),
+        jax.jit(functools.partial(_join), static_argnums=(0, 2, 3)),
+        jax.jit(
+            functools.partial(_placed), static_argnums=(0, 2), static_argnames=("bits", "fused")
+        ),
     )
 
 
@@ -224,6 +262,15 @@ def _place(kind: str | None, readers, shapes, shape, dtype, sharding) -> jax.Arr
         if kind == "stacked":
             parts = [np.asarray(read(index[1:])) for read in readers[index[0]]]
             return np.stack(parts).astype(dtype)
+        if kind == "experts":
+            # The experts `index[0]`, whole, each its tensors joined along their rows.
+            per = len(readers) // shape[0]
+            whole = (slice(None),)
+            experts = [
+                np.concatenate([np.asarray(read(whole)) for read in readers[e * per :][:per]])
+                for e in range(shape[0])[index[0]]
+            ]
+            return np.stack(experts)[(slice(None), *index[1:])].astype(dtype)
         # The KV heads `index[0]` of each tensor, as their blocks of rows.
         heads = range(shape[0])[index[0]]
         blocks = []
@@ -263,6 +310,12 @@ def _check_dims(config: ModelConfig, checkpoint, available: set[str], where) -> 
             c.hidden_size,
         ),
         "model.layers.0.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        # The fused projections of `FUSED`.
+        "model.layers.0.self_attn.qkv_proj.weight": (
+            (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim,
+            c.hidden_size,
+        ),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * c.intermediate_size, c.hidden_size),
     }
     for name, shape in expected.items():
         if name in available and tuple(checkpoint.shape(name)) != shape:
@@ -272,11 +325,15 @@ def _check_dims(config: ModelConfig, checkpoint, available: set[str], where) -> 
             )
 
 
-def _placed(kind: str | None, value, shapes, *, bits: bool) -> tuple[jax.Array, list]:
+def _placed(
+    kind: str | None, value, shapes, *, bits: bool, fused: bool = False
+) -> tuple[jax.Array, list]:
     """A parameter placed on a mesh (see `_place`), as its `uint16` bits with `bits`, and
-    whether each of its checkpoint tensors (of `shapes`, joined as `kind`) is all finite.
+    whether each of its checkpoint tensors (of `shapes`, joined as `kind`, or one tensor of
+    them all where `fused`, see `FUSED`) is all finite.
     """
-    finite = [jnp.isfinite(part).all() for part in _split(kind, value, shapes)]
+    parts = [value] if fused else _split(kind, value, shapes)
+    finite = [jnp.isfinite(part).all() for part in parts]
     return (jax.lax.bitcast_convert_type(value, jnp.uint16) if bits else value), finite
 
 
@@ -320,18 +377,44 @@ def _join_kind(name: str) -> str | None:
     return None
 
 
-def checkpoint_names(name: str) -> tuple[str, ...]:
+def checkpoint_names(name: str, model_type: str | None = None) -> tuple[str, ...]:
     """The checkpoint tensors that model parameter `name` holds, in order if it joins several
-    (see `STACKED` and `GROUPED`), else `(name,)`.
+    (see `STACKED` and `GROUPED`), else `(name,)`; `(name,)` too where the checkpoints of
+    `model_type` fuse its parts (see `FUSED`).
     """
+    if any(fused in name for fused in FUSED.get(model_type, ())):
+        return (name,)
     for joined, parts in (STACKED | GROUPED).items():
         if joined in name:
             return tuple(name.replace(joined, part) for part in parts)
     return (name,)
 
 
-def _part_shapes(config: ModelConfig, kind: str | None, shape) -> list[tuple[int, ...]]:
-    """The shapes of the checkpoint tensors that a parameter of `shape` joins as `kind`."""
+def _stored_as(
+    name: str, config: ModelConfig, available=frozenset()
+) -> tuple[tuple[str, ...], str | None]:
+    """The checkpoint tensors that hold parameter `name` and how they join (see `_join_kind`):
+    a mixture of experts' parameter is itself where the checkpoint, of tensors `available`,
+    holds it, else the Hub's tensors (see `PER_EXPERT`).
+    """
+    for joined, parts in PER_EXPERT.get(config.model_type, {}).items():
+        if joined in name and name not in available:
+            if "{e}" not in parts[0]:
+                return (name.replace(joined, parts[0]),), None
+            experts = range(config.num_experts)
+            names = (name.replace(joined, p).format(e=e) for e in experts for p in parts)
+            return tuple(names), "experts"
+    return checkpoint_names(name, config.model_type), _join_kind(name)
+
+
+def _part_shapes(
+    config: ModelConfig, kind: str | None, shape, count: int = 1
+) -> list[tuple[int, ...]]:
+    """The shapes of the `count` checkpoint tensors that a parameter of `shape` joins as
+    `kind`."""
+    if kind == "experts":
+        per_expert = count // shape[0]
+        return [(shape[1] // per_expert, *shape[2:])] * count
     if kind == "stacked":
         return [tuple(shape[1:])] * shape[0]
     if kind == "grouped":
@@ -342,13 +425,44 @@ def _part_shapes(config: ModelConfig, kind: str | None, shape) -> list[tuple[int
     return [tuple(shape)]
 
 
-def _join(kind: str, values, shape) -> jax.Array:
+def _stored_shapes(shapes, fused: bool) -> list[tuple[int, ...]]:
+    """The shapes of the checkpoint tensors that hold the parts of `shapes`: the parts', or
+    where `fused`, that of the one tensor of them all along its rows (see `FUSED`)."""
+    if not fused:
+        return shapes
+    return [(sum(shape[0] for shape in shapes), *shapes[0][1:])]
+
+
+def _fused_rows(shapes) -> list[tuple[int, int]]:
+    """The rows `(start, stop)` of each part of `shapes` in the tensor that fuses them."""
+    stops = np.cumsum([shape[0] for shape in shapes]).tolist()
+    return list(zip([0, *stops[:-1]], stops, strict=True))
+
+
+def _rows_reader(read, rows: tuple[int, int]):
+    """The reader of the part at `rows` of the tensor that `read` reads (see `_place`)."""
+    start, stop = rows
+
+    def part(index):
+        first, last, _ = index[0].indices(stop - start)
+        return read((slice(start + first, start + last), *index[1:]))
+
+    return part
+
+
+def _join(kind: str, values, shape, shapes) -> jax.Array:
     """The parameter of `shape` from its checkpoint tensors' `values`: the tensors `"stacked"`
     along a leading axis, or `"grouped"`, each reshaped to `[shape[0], rows, ...]` and joined
-    along its rows. A parameter of one tensor (`kind` None) is that tensor, unjoined.
+    along its rows, or `"experts"`, each expert's tensors joined along their rows and the
+    experts stacked. A parameter of one tensor (`kind` None) is that tensor, unjoined; one
+    tensor that fuses the parts of `shapes` (see `FUSED`) is cut into them first.
     """
+    if len(values) < len(shapes):
+        values = [values[0][start:stop] for start, stop in _fused_rows(shapes)]
     if kind == "stacked":
         return jnp.stack(values)
+    if kind == "experts":
+        return jnp.stack(values).reshape(shape)
     return jnp.concatenate([v.reshape(shape[0], -1, *v.shape[1:]) for v in values], axis=1)
 
 
@@ -360,6 +474,8 @@ def _split(kind: str | None, value, shapes) -> list:
         return [value]
     if kind == "stacked":
         return [value[i] for i in range(len(shapes))]
+    if kind == "experts":
+        return list(value.reshape(len(shapes), *shapes[0]))
     out, start = [], 0
     for shape in shapes:
         rows = shape[0] // value.shape[0]
@@ -375,7 +491,9 @@ def checkpoint_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, value = _name(path), np.asarray(var.get_value())
-        kind = _join_kind(name)
-        shapes = _part_shapes(model.config, kind, value.shape)
-        out.update(zip(checkpoint_names(name), _split(kind, value, shapes), strict=True))
+        names, kind = _stored_as(name, model.config)
+        parts = _split(kind, value, _part_shapes(model.config, kind, value.shape, len(names)))
+        if len(names) < len(parts):
+            parts = [np.concatenate(parts)]
+        out.update(zip(names, parts, strict=True))
     return out

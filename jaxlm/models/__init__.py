@@ -5,7 +5,9 @@ from __future__ import annotations
 from jaxlm.config import ModelConfig
 from jaxlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from jaxlm.models.llama import LlamaForCausalLM
+from jaxlm.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from jaxlm.models.olmo2 import Olmo2ForCausalLM
+from jaxlm.models.phi3 import Phi3ForCausalLM
 
 # The class of each `model_type` that `ModelConfig` accepts.
 MODEL_CLASSES = {
@@ -16,6 +18,9 @@ MODEL_CLASSES = {
     "olmo2": Olmo2ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

@@ -249,7 +249,7 @@ class LlamaModel(nnx.Module):
         # The angles are computed once for all layers (`jaxlm.ops.computed_once`); a chunk that
         # is padding in every row, masked everywhere, is not rotated.
         def identity(positions):
-            shape = (config.head_dim, *positions.shape)
+            shape = (config.rotary_dim, *positions.shape)
             return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
         return ops.computed_once(

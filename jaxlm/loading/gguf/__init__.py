@@ -29,11 +29,13 @@ from jaxlm.loading.gguf.reader import _Reader as _Reader
 from jaxlm.loading.gguf.tensors import (
     _DEVICE_FORMATS,
     _NORM_PLUS_ONE,
+    _ROPE_FACTORS,
     _ROPE_FREQS,
     Dequantizer,
     _can_dequantize,
     _check_tensors,
     _dequantize,
+    _expert_tensors,
     _hf_name,
     _hf_shape,
     unpermute_qk,
@@ -125,8 +127,8 @@ class GGUFCheckpoint:
 
 
 def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
-    """Open a llama.cpp GGUF model file (Llama, Qwen2, Qwen3, OLMo 2, Gemma 2 or Gemma 3
-    architecture).
+    """Open a llama.cpp GGUF model file (Llama, Mixtral as `llama` with experts, Qwen2,
+    Qwen3, Qwen3-MoE, OLMo 2, Gemma 2, Gemma 3 or Phi-3 architecture).
 
     Parses the metadata into a Hugging Face style config and a tokenizer, maps the tensor names
     to Hugging Face's and checks every tensor's shape; tensor data is read by
@@ -165,12 +167,12 @@ def open_gguf(path: str | pathlib.Path) -> GGUFCheckpoint:
 
     tensors = {}
     for name, tensor in gguf_tensors.items():
-        if name == _ROPE_FREQS:
+        if name == _ROPE_FREQS or name in _ROPE_FACTORS:
             continue
         hf_name = _hf_name(name, arch)
         if hf_name is None:
             raise LoadError(f"{path}: unknown tensor `{name}` for architecture `{arch}`")
-        tensors[hf_name] = tensor
+        tensors |= _expert_tensors(hf_name, tensor)
     _check_tensors(path, arch, config, tensors)
 
     permuted = {}

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from jaxlm.errors import LoadError
 from jaxlm.loading.gguf.reader import _float, _Metadata
-from jaxlm.loading.gguf.tensors import _ROPE_FREQS, _hf_shape
+from jaxlm.loading.gguf.tensors import _ROPE_FACTORS, _ROPE_FREQS, _hf_shape
 
 # Hugging Face's `model_type` for each `general.architecture` jaxlm reads.
 _ARCHITECTURES = {
@@ -20,6 +20,8 @@ _ARCHITECTURES = {
     "olmo2": "olmo2",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "qwen3moe": "qwen3_moe",
 }
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -28,6 +30,8 @@ _HF_CLASSES = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # llama.cpp's converter permutes the Q and K rows of these architectures only.
 _PERMUTED_QK = frozenset({"llama"})
@@ -62,7 +66,8 @@ def _config(meta: _Metadata, arch: str, tensors: dict, tokens: list | None) -> d
             f"({head_dim}), unsupported"
         )
     rope_dim = meta.int_value(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    # Phi-4-mini rotates part of each head.
+    if rope_dim != head_dim and arch != "phi3":
         raise LoadError(
             f"{path}: `{arch}.rope.dimension_count` ({rope_dim}) is not the head size "
             f"({head_dim}); partial rotary embeddings are unsupported"
@@ -106,7 +111,27 @@ def _config(meta: _Metadata, arch: str, tensors: dict, tokens: list | None) -> d
     }
     if arch in _GEMMA:
         config |= _gemma_settings(meta, arch, config)
+    if arch == "phi3":
+        config |= _phi3_settings(meta, config, rope_dim)
+    experts = meta.int_value(f"{arch}.expert_count", 0)
+    if experts:
+        config |= _moe_settings(meta, arch, experts)
     return config
+
+
+def _moe_settings(meta: _Metadata, arch: str, experts: int) -> dict:
+    """A mixture of experts' settings as llama.cpp reads them: Mixtral is `llama` with
+    experts, and both architectures renormalise the chosen experts' weights."""
+    settings = {
+        "num_local_experts": experts,
+        "num_experts_per_tok": meta.int_value(f"{arch}.expert_used_count"),
+        "norm_topk_prob": True,
+    }
+    if arch == "llama":
+        return settings | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    return settings | {
+        "moe_intermediate_size": meta.int_value(f"{arch}.expert_feed_forward_length")
+    }
 
 
 # For each Gemma architecture, the layers of its 27B model and every how many layers one is full.
@@ -142,8 +167,37 @@ def _gemma_settings(meta: _Metadata, arch: str, config: dict) -> dict:
     }
 
 
+def _phi3_settings(meta: _Metadata, config: dict, rope_dim: int) -> dict:
+    """Phi-3's settings as llama.cpp's converter writes them: the rotating share of each head,
+    the context LongRoPE was trained for, and a sliding window, 0 for none (Phi-4)."""
+    return {
+        "partial_rotary_factor": rope_dim / config["head_dim"],
+        "original_max_position_embeddings": meta.int_value(
+            "phi3.rope.scaling.original_context_length", config["max_position_embeddings"]
+        ),
+        "sliding_window": meta.int_value("phi3.attention.sliding_window", 0) or None,
+    }
+
+
+def _longrope_scaling(meta: _Metadata, arch: str, tensors: dict) -> dict:
+    """LongRoPE from the factors llama.cpp's converter stores as tensors (`_ROPE_FACTORS`) and
+    its attention factor, which the converter computes as transformers does by default."""
+    scaling = {"rope_type": "longrope"}
+    for name, key in zip(_ROPE_FACTORS, ("short_factor", "long_factor"), strict=True):
+        tensor = tensors.get(name)
+        if tensor is None or tensor.tensor_type != GGMLQuantizationType.F32:
+            raise LoadError(f"{meta.path}: LongRoPE needs tensor `{name}` in F32")
+        scaling[key] = np.asarray(tensor.data, dtype=np.float32).reshape(-1).tolist()
+    attention = meta.float_value(f"{arch}.rope.scaling.attn_factor", None)
+    if attention is not None:
+        scaling["attention_factor"] = attention
+    return scaling
+
+
 def _rope_scaling(meta: _Metadata, arch: str, tensors: dict, theta: float, head_dim: int):
     path = meta.path
+    if any(name in tensors for name in _ROPE_FACTORS):
+        return _longrope_scaling(meta, arch, tensors)
     if _ROPE_FREQS in tensors:
         return _llama3_rope_scaling(path, tensors[_ROPE_FREQS], theta, head_dim)
     kind = meta.str_value(f"{arch}.rope.scaling.type", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+from typing import Any
 
 import gguf
 import jax
@@ -49,10 +50,32 @@ _ARCH_TENSOR_NAMES = {
     },
 }
 _ARCH_TENSOR_NAMES["gemma3"] = _ARCH_TENSOR_NAMES["gemma2"]
+# Phi-3 keeps its checkpoints' fused projections, gate and up in `ffn_up`.
+_ARCH_TENSOR_NAMES["phi3"] = {
+    "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+}
+# A mixture of experts' router and experts: llama.cpp stacks a layer's experts in one tensor,
+# `[experts, rows, columns]`, which reads as the Hub's tensor per expert (`{e}` its index, see
+# `_expert_tensors`). llama.cpp writes Mixtral as `llama`, named as Mixtral's checkpoints.
+_ARCH_TENSOR_NAMES["llama"] = {
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.block_sparse_moe.experts.{{e}}.w1.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.block_sparse_moe.experts.{{e}}.w3.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.block_sparse_moe.experts.{{e}}.w2.weight",
+}
+_ARCH_TENSOR_NAMES["qwen3moe"] = {
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{{e}}.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{{e}}.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{{e}}.down_proj.weight",
+}
 # llama.cpp's converter stores Gemma's norm weights plus one (q and k norms too), which Hugging
 # Face adds as it computes (`x * (1 + weight)`); jaxlm subtracts it back as it reads them.
 _NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's frequency factors for short and for long sequences (Phi-3), read into the config.
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -199,6 +222,57 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return None if pattern is None else pattern.format(i=int(match[1]))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Expert:
+    """One expert of a GGUF tensor of stacked experts, read as a tensor of its own: experts
+    are the outermost dimension, so each one's rows, quantised blocks included, lie together."""
+
+    tensor: Any
+    expert: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.tensor.name}[{self.expert}]"
+
+    @property
+    def tensor_type(self) -> GGMLQuantizationType:
+        return self.tensor.tensor_type
+
+    @property
+    def shape(self) -> np.ndarray:
+        return self.tensor.shape[:-1]
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.tensor.data[self.expert]
+
+
+def _expert_tensors(hf_name: str, tensor) -> dict:
+    """`{hf_name: tensor}`, or for a tensor of stacked experts (`hf_name` with `{e}`), each
+    expert under its own name."""
+    if "{e}" not in hf_name:
+        return {hf_name: tensor}
+    return {hf_name.format(e=e): _Expert(tensor, e) for e in range(int(tensor.shape[-1]))}
+
+
+def _expert_shapes(i: int, arch: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """The shapes of layer `i`'s router and of each of its experts' tensors."""
+    hidden, experts = config["hidden_size"], config["num_local_experts"]
+    inter = config.get("moe_intermediate_size", config["intermediate_size"])
+    shapes = {
+        "gate_inp": (experts, hidden),
+        "gate_exps": (inter, hidden),
+        "up_exps": (inter, hidden),
+        "down_exps": (hidden, inter),
+    }
+    names = _tensor_names(arch)
+    return {
+        names[f"blk.{{i}}.ffn_{kind}.weight"].format(i=i).format(e=e): shape
+        for kind, shape in shapes.items()
+        for e in range(experts)
+    }
+
+
 def _layer_norms(model_type: str) -> tuple[str, ...]:
     """The names of the norms of a layer of `model_type`, each `[hidden]`."""
     if model_type == "olmo2":
@@ -237,16 +311,28 @@ def _check_tensors(path: pathlib.Path, arch: str, config: dict, tensors: dict) -
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         expected |= {p + f"{norm}.weight": (hidden,) for norm in _layer_norms(model_type)}
+        if model_type == "phi3":
+            expected |= {
+                p + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+                p + "mlp.gate_up_proj.weight": (2 * inter, hidden),
+            }
+        else:
+            expected |= {
+                p + "self_attn.q_proj.weight": (q_rows, hidden),
+                p + "self_attn.k_proj.weight": (kv_rows, hidden),
+                p + "self_attn.v_proj.weight": (kv_rows, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+            }
         expected |= {
-            p + "self_attn.q_proj.weight": (q_rows, hidden),
-            p + "self_attn.k_proj.weight": (kv_rows, hidden),
-            p + "self_attn.v_proj.weight": (kv_rows, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_rows),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
-        if model_type in ("qwen3", "gemma3_text"):
+        if config.get("num_local_experts"):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                del expected[p + f"mlp.{proj}.weight"]
+            expected |= _expert_shapes(i, arch, config)
+        if model_type in ("qwen3", "gemma3_text", "qwen3_moe"):
             expected[p + "self_attn.q_norm.weight"] = (head_dim,)
             expected[p + "self_attn.k_norm.weight"] = (head_dim,)
         if model_type == "olmo2":
@@ -285,7 +371,7 @@ def _check_tensors(path: pathlib.Path, arch: str, config: dict, tensors: dict) -
 def _gguf_name(hf_name: str, arch: str) -> str:
     """The GGUF name of a Hugging Face tensor name, for error messages."""
     for gguf_pattern, hf_pattern in _tensor_names(arch).items():
-        regex = re.escape(hf_pattern).replace(r"\{i\}", r"(\d+)")
+        regex = re.escape(hf_pattern).replace(r"\{i\}", r"(\d+)").replace(r"\{\{e\}\}", r"\d+")
         match = re.fullmatch(regex, hf_name)
         if match:
             return gguf_pattern.format(i=match[1]) if match.groups() else gguf_pattern
