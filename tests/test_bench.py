@@ -227,3 +227,35 @@ def test_serve_benchmark_times_every_request(tiny_tied, tmp_path):
     requests = serve.workload(6, 50, (3, 9), (2, 5), vocab=96)
     assert requests == serve.workload(6, 50, (3, 9), (2, 5), vocab=96)
     assert all(3 <= len(p) <= 9 and 2 <= n <= 5 for _, p, n in requests)
+
+
+def test_serve_benchmark_over_http_times_every_request(tiny_chat, tmp_path):
+    serve = load_benchmark("serve")
+    http_client = serve.http_client
+    port = http_client.free_port()
+    command = [sys.executable, "-m", "jaxlm", "serve", "--model", str(tiny_chat)]
+    command += ["--port", str(port), "--max-num-seqs", "2", "--max-seq-len", "64"]
+    command += ["--page-size", "4", "--max-num-batched-tokens", "32"]
+    out = tmp_path / "serve.json"
+    url = f"http://127.0.0.1:{port}/v1"
+    argv = ["--model", str(tiny_chat), "--url", url, "--requests", "6", "--rate", "50"]
+    argv += ["--max-num-seqs", "2", "--prompt-len", "3,9", "--output-len", "2,5"]
+    with http_client.Server("jaxlm serve", command, port, timeout=300):
+        assert serve.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {url} and report["skipped"] == {}
+    r = report["results"][url]
+    assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
+    for key in ("ttft_s", "tpot_s", "itl_s"):
+        assert 0 <= r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"], key
+    server = report["servers"][url]
+    assert server["prompts"] == "token ids"  # jaxlm takes a prompt as a list of token ids
+    # A server this did not start has no CPU time to set apart from the other processes'.
+    assert server["load"] is None and server["server_cores"] is None
+    vocab = serve.ModelConfig.from_hf_config(json.loads((tiny_chat / "config.json").read_text()))
+    requests = serve.workload(6, 50, (3, 9), (2, 5), vocab=vocab.vocab_size)
+    assert len(server["requests"]) == len(requests)
+    for timed, (_, _, new) in zip(server["requests"], requests, strict=True):
+        assert timed["ttft_s"] > 0 and 1 <= timed["chunks"] <= new
+        assert timed["output_tokens"] == timed["requested_tokens"] == new
+        assert timed["finish_reason"] == "length"
