@@ -220,6 +220,7 @@ HOSTILE = [
         ("/v1/completions", {**GOOD, **change})
         for change in [
             {"prompt": None},
+            {"ignore_eos": "yes"},
             {"prompt": ""},
             {"prompt": []},
             {"prompt": 5},

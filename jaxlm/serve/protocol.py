@@ -140,6 +140,8 @@ def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
         min_p=_number(body, "min_p", None, low=0, high=1),
         repetition_penalty=_number(body, "repetition_penalty", None, low=0, low_open=True),
         stop=stop or None,
+        # vLLM's extra: generate all `max_tokens`, past the end-of-sequence tokens.
+        stop_token_ids=[] if _bool(body, "ignore_eos") else None,
         seed=seed,
         logprobs=logprobs,
     )
