@@ -248,14 +248,15 @@ def test_full_size_plan_without_allocating(name):
     model = model_class(config).abstract(config, dtype=jnp.bfloat16)
     leaves = jax.tree.leaves(nnx.state(model))
     assert sum(x.size for x in leaves) == published
-    plan = jaxlm.plan(model, max_batch=2, max_seq_len=512, steps=("decode",))
+    # One row: a decode step compiles each row's chosen experts, slowly at this size.
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=512, steps=("decode",))
     assert plan.weights_bytes == 2 * published
     c = config
     assert (
         plan.kv_cache_bytes
-        == 2 * c.num_hidden_layers * 2 * 512 * c.num_key_value_heads * c.head_dim * 2
+        == c.num_hidden_layers * 2 * 512 * c.num_key_value_heads * c.head_dim * 2
     )
-    fitted = jaxlm.plan(model, max_batch=2, budget=plan.total_bytes + 1000, steps=("decode",))
+    fitted = jaxlm.plan(model, max_batch=1, budget=plan.total_bytes + 1000, steps=("decode",))
     assert fitted.max_seq_len == 512
     gc.collect()
     assert len(jax.live_arrays()) <= live_before
