@@ -13,7 +13,12 @@ from float32's next-token distribution and how often both pick the same top toke
   `Q8_0` stores both;
 - `rows / blocks of 32`: one scale per weight row, activations in blocks of 32.
 
-Usage: python benchmarks/int8_quality.py [--model PATH] [--json PATH]
+Then `jaxlm int8`, the model `jaxlm.load(..., quantize="int8")` gives, and with `--vs
+llama.cpp` (a GGUF model and llama-cpp-python installed), llama.cpp's own: its `Q8_0` copy of
+the file (`convert_gguf.py q8_0`) and the file itself, each against llama.cpp's F32 copy, over
+the same tokens: the bar jaxlm's int8 is held to.
+
+Usage: python benchmarks/int8_quality.py [--model PATH] [--vs llama.cpp] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,39 +36,17 @@ from flax import nnx
 import jaxlm
 from jaxlm import ops
 from jaxlm.bench import text_table
+from jaxlm.bench.quality import QUALITY_TEXT, divergence
 
-TEXT = """\
-The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night,
-its keeper climbed the narrow stairs, trimmed the wick and watched the ships pass in the dark.
-When the storm came in November, the waves rose higher than anyone in the village remembered,
-and the light was the only thing that did not move.
-
-def merge_sorted(a, b):
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i])
-            i += 1
-        else:
-            out.append(b[j])
-            j += 1
-    return out + a[i:] + b[j:]
-
-Question: A train leaves at 9:15 and arrives at 11:40. How long is the journey?
-Answer: From 9:15 to 11:15 is 2 hours, and from 11:15 to 11:40 is 25 minutes, so the journey
-takes 2 hours and 25 minutes. If the ticket costs 18 euros and a return costs 1.5 times as
-much, the return ticket costs 27 euros.
-
-Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. The reaction
-happens in the chloroplasts, where chlorophyll absorbs mostly red and blue light and reflects
-green, which is why leaves look green to us.
-
-SELECT name, COUNT(*) AS orders FROM customers JOIN orders ON customers.id = orders.customer_id
-GROUP BY name HAVING COUNT(*) > 3 ORDER BY orders DESC;
-
-12 * 7 = 84, 144 / 12 = 12, 2 ** 10 = 1024, and the square root of 169 is 13.
-"""
-SCHEMES = ("rows / tokens", "rows / tokens, rotated", "blocks of 32", "rows / blocks of 32")
+SCHEMES = (
+    "rows / tokens",
+    "rows / tokens, rotated",
+    "rows / digits",
+    "rows / digits, rotated",
+    "rows / digits, rotated but the head",
+    "blocks of 32",
+    "rows / blocks of 32",
+)
 ROTATION_BLOCK = 64
 
 
@@ -72,6 +55,16 @@ def _rounded(a: jax.Array, axis: int) -> jax.Array:
     scale = jnp.max(jnp.abs(a), axis=axis, keepdims=True) / 127
     scale = jnp.where(scale == 0, 1, scale)
     return jnp.clip(jnp.round(a / scale), -127, 127) * scale
+
+
+def _digits(a: jax.Array) -> jax.Array:
+    """`a` `[features, cols]` as two int8 digits per value with a scale per column: the first
+    rounds `a` to int8, the second its remainder at 1/254 of the first's step."""
+    scale = jnp.max(jnp.abs(a), axis=0, keepdims=True) / 127
+    scale = jnp.where(scale == 0, 1, scale)
+    hi = jnp.round(a / scale)
+    lo = jnp.clip(jnp.round((a - hi * scale) / (scale / 254)), -127, 127)
+    return hi * scale + lo * (scale / 254)
 
 
 def _in_blocks(a: jax.Array, axis: int, block: int) -> jax.Array:
@@ -101,38 +94,67 @@ def simulated(scheme: str):
         w = w.astype(jnp.float32)
         k = w.shape[-1]
         flat = x.reshape(k, -1).astype(jnp.float32)
-        if scheme == "rows / tokens, rotated" and k % ROTATION_BLOCK == 0:
+        head = w.shape[-2] > 16 * k
+        rotate = "rotated" in scheme and not (head and scheme.endswith("head"))
+        if rotate and k % ROTATION_BLOCK == 0:
             r = rotations.setdefault(k, jnp.asarray(rotation(k)))
             w, flat = w @ r.T, r @ flat
         w = _rounded(w, -1) if scheme.startswith("rows") else _in_blocks(w, -1, 32)
-        flat = _in_blocks(flat, 0, 32) if scheme.endswith("blocks of 32") else _rounded(flat, 0)
+        if scheme.endswith("blocks of 32"):
+            flat = _in_blocks(flat, 0, 32)
+        elif "digits" in scheme:
+            flat = _digits(flat)
+        else:
+            flat = _rounded(flat, 0)
         y = jnp.einsum("...ok,kc->...oc", w, flat)
         return y.reshape(*w.shape[:-1], *x.shape[1:])
 
     return matmul
 
 
-def divergence(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
-    """Mean KL(reference || logits) over the positions, and the top-1 agreement."""
+def llama_cpp_divergences(model, ids: list[int]) -> dict[str, tuple[float, float]]:
+    """llama.cpp's `Q8_0` copy of the GGUF `model` and the file itself, each against its F32
+    copy: mean KLD and top-1 over `ids`."""
+    import tempfile
 
-    def log_softmax(x):
-        x = np.asarray(x, np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    from convert_gguf import convert
 
-    ref, got = log_softmax(reference), log_softmax(logits)
-    kld = np.sum(np.exp(ref) * (ref - got), axis=-1)
-    top = np.argmax(reference, -1) == np.argmax(logits, -1)
-    return float(np.mean(kld)), float(np.mean(top))
+    from jaxlm.loading import default_model_path
+
+    source = Path(model) if model else default_model_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        copies = {kind: Path(tmp) / f"{kind}.gguf" for kind in ("f32", "q8_0")}
+        for kind, path in copies.items():
+            convert(source, path, kind)
+        logits = {kind: llama_cpp_logits(path, ids) for kind, path in copies.items()}
+    logits["file"] = llama_cpp_logits(source, ids)
+    return {
+        "llama.cpp Q8_0": divergence(logits["f32"], logits["q8_0"]),
+        f"llama.cpp {source.name}": divergence(logits["f32"], logits["file"]),
+    }
+
+
+def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits `[len(ids), vocab]` for every position of `ids`."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=len(ids) + 8, n_batch=512, logits_all=True, verbose=False
+    )
+    llm.eval(ids)
+    out = np.array(llm.scores[: len(ids)], np.float32)
+    llm.close()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
+    p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     args = p.parse_args(argv)
     model, tokenizer = jaxlm.load(args.model, progress=False)
-    ids = jnp.asarray([tokenizer.encode(TEXT)])
+    ids = jnp.asarray([tokenizer.encode(QUALITY_TEXT)])
     graphdef, state = nnx.split(model)
 
     def logits() -> np.ndarray:
@@ -151,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((scheme, f"{kld:.4f}", f"{100 * top1:.1f}%"))
     finally:
         ops.matmul = original
+    quantized = jaxlm.load(args.model, progress=False, quantize="int8")[0]
+    measured = {"jaxlm int8": divergence(reference, np.asarray(quantized(ids)[0]))}
+    if "llama.cpp" in args.vs:
+        measured.update(llama_cpp_divergences(args.model, ids[0].tolist()))
+    for scheme, (kld, top1) in measured.items():
+        results.append(dict(scheme=scheme, mean_kld=kld, top1=top1))
+        rows.append((scheme, f"{kld:.4f}", f"{100 * top1:.1f}%"))
     print(f"{ids.shape[1]} tokens, against float32")
     print("\n".join(text_table(("scheme", "mean KLD", "top-1"), rows)))
     if args.json is not None:

@@ -8,7 +8,9 @@ The variants:
   with one scale per column (token), an `s8 x s8 -> s32` dot, rescaled in float32;
 - `int8 blocks`: weights and activations in blocks of 32 along the input, as llama.cpp's Q8_0
   stores both: a batched `s8 x s8 -> s32` dot over the blocks, then the partial sums scaled
-  and added.
+  and added;
+- `jaxlm int8`: the library's product (`jaxlm.ops.quantized_matmul`): weights per row after a
+  rotation of their input, activations rotated and rounded to two int8 digits per value.
 
 XLA:CPU's dot library declines integer products with one column, so one column is padded to
 two. The table gives each variant's median milliseconds per step, the weight bytes one step
@@ -32,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from matmul_step import layer_weights
 
+from jaxlm import ops
 from jaxlm.bench import OtherLoad, text_table
 from jaxlm.ops import matmul
 
-VARIANTS = ("float32", "bfloat16", "int8 rows", "int8 blocks")
+VARIANTS = ("float32", "bfloat16", "int8 rows", "int8 blocks", "jaxlm int8")
 BLOCK = 32
 
 
@@ -52,6 +55,8 @@ def quantize_weight(w: jax.Array, variant: str):
         return w.astype(jnp.float32)
     if variant == "bfloat16":
         return w.astype(jnp.bfloat16)
+    if variant == "jaxlm int8":
+        return ops.quantize_weight(w)
     w = w.astype(jnp.float32)
     if variant == "int8 rows":
         return _quantize(w, 1)
@@ -67,6 +72,8 @@ def product(w, x: jax.Array, variant: str) -> jax.Array:
     """`w @ x` for a weight stored by `quantize_weight` and `x` `[in, cols]`: `[out, cols]`."""
     if variant in ("float32", "bfloat16"):
         return matmul(w, x)
+    if variant == "jaxlm int8":
+        return ops.quantized_matmul(*w, x)
     cols = x.shape[1]
     if cols == 1:
         x = jnp.pad(x, ((0, 0), (0, 1)))

@@ -16,8 +16,11 @@ from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from jaxlm.models.llama import LlamaForCausalLM
+from jaxlm.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from jaxlm.models.olmo2 import Olmo2ForCausalLM
+from jaxlm.models.phi3 import Phi3ForCausalLM
 from jaxlm.planner import Plan, plan
+from jaxlm.quantization import quantize
 from jaxlm.sharding import ShardingError, shard
 from jaxlm.tokenizer import Tokenizer
 
@@ -31,10 +34,13 @@ __all__ = [
     "LLMEngine",
     "LlamaForCausalLM",
     "LoadError",
+    "MixtralForCausalLM",
     "ModelConfig",
     "Olmo2ForCausalLM",
+    "Phi3ForCausalLM",
     "Plan",
     "PlanError",
+    "Qwen3MoeForCausalLM",
     "RequestHandle",
     "RequestOutput",
     "ScratchSpec",
@@ -44,6 +50,7 @@ __all__ = [
     "generate",
     "load",
     "plan",
+    "quantize",
     "shard",
     "stream",
 ]

@@ -45,6 +45,12 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M)")
     p.add_argument("--dtype", type=_dtype, default="float32", help="float32, bfloat16, float16")
     p.add_argument(
+        "--quantize",
+        choices=("int8",),
+        default=None,
+        help="store the weights in int8 (`--dtype` is then the norms' and the KV cache's)",
+    )
+    p.add_argument(
         "--mesh",
         type=_mesh,
         default=None,
@@ -125,7 +131,9 @@ def enable_compilation_cache() -> None:
 def _generate(args) -> None:
     import jaxlm
 
-    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
+    model, tokenizer = jaxlm.load(
+        args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
+    )
     wrote = False
     for piece in jaxlm.stream(model, tokenizer, args.prompt, **_sampling(args)):
         sys.stdout.write(piece)
@@ -143,7 +151,9 @@ def _generate(args) -> None:
 def _chat(args) -> None:
     import jaxlm
 
-    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
+    model, tokenizer = jaxlm.load(
+        args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
+    )
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     interactive = sys.stdin.isatty()
@@ -176,11 +186,13 @@ def _plan(args) -> None:
     import jaxlm
     from jaxlm.loading import default_model_path, open_checkpoint
     from jaxlm.models import model_class
+    from jaxlm.quantization import check_quantize
 
     path = Path(args.model) if args.model else default_model_path()
     config = jaxlm.ModelConfig.from_hf_config(open_checkpoint(path).config)
     # The plan needs shapes only: an abstract model holds no weights.
-    model = model_class(config).abstract(config, dtype=args.dtype)
+    check_quantize(args.quantize, args.dtype)
+    model = model_class(config).abstract(config, dtype=args.dtype, quantize=args.quantize)
     if args.mesh is not None:
         model = jaxlm.shard(model, args.mesh)
     plan = jaxlm.plan(
@@ -203,7 +215,9 @@ def _serve(args) -> None:
         raise ValueError(
             f"`jaxlm serve` needs the serve extra: pip install 'jaxlm[serve]' ({e})"
         ) from None
-    model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, mesh=args.mesh)
+    model, tokenizer = jaxlm.load(
+        args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
+    )
     max_seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 4096)
     num_pages = args.num_pages
     if num_pages is None and args.budget is None:
@@ -226,25 +240,28 @@ def _serve(args) -> None:
     serve.run(engine, name, host=args.host, port=args.port)
 
 
-def _without_ynnpack(dtype) -> None:
+def _without_ynnpack(dtype, quantize) -> None:
     """Turn off XLA:CPU's YNNPACK fusions for a float32 model, unless `XLA_FLAGS` says otherwise.
 
     They build their runtime on each executable's first run, paid once per command, while
     float32 batch-1 decode runs as fast without them; bfloat16 matmuls need them (see
     `docs/performance.md`, "YNNPACK fusions in the command line"). `jaxlm bench` keeps them,
-    as the library does. Takes effect only before JAX starts its CPU backend.
+    as the library does, and so does an int8 model, whose integer products need them. Takes
+    effect only before JAX starts its CPU backend.
     """
     import numpy as np
 
     flags = os.environ.get("XLA_FLAGS", "")
-    if np.dtype(dtype) == np.float32 and "--xla_cpu_experimental_ynn_fusion_type" not in flags:
+    if quantize is not None or np.dtype(dtype) != np.float32:
+        return
+    if "--xla_cpu_experimental_ynn_fusion_type" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command in ("generate", "chat", "serve"):
-        _without_ynnpack(args.dtype)
+        _without_ynnpack(args.dtype, args.quantize)
     enable_compilation_cache()
     commands = {"generate": _generate, "chat": _chat, "plan": _plan, "serve": _serve}
     try:

@@ -51,7 +51,8 @@ class Linear(nnx.Module):
     as one product.
 
     `axes` names the logical sharding axes of `in` and `out`, `stack_axis` that of `stack`
-    (see `jaxlm.sharding`).
+    (see `jaxlm.sharding`). `jaxlm.quantize` stores `weight` as int8 with one float32 `scale`
+    per output row.
     """
 
     def __init__(
@@ -74,10 +75,15 @@ class Linear(nnx.Module):
             if bias
             else None
         )
+        # Set by `jaxlm.quantize`.
+        self.scale = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """`x` `[in, ...]` (feature-major) -> `[out, ...]` (`[stack, out, ...]`)."""
-        y = ops.matmul(self.weight[...], x)
+        if self.scale is None:
+            y = ops.matmul(self.weight[...], x)
+        else:
+            y = ops.quantized_matmul(self.weight[...], self.scale[...], x)
         if self.bias is not None:
             b = self.bias[...].astype(jnp.float32)
             y = y + b.reshape(*b.shape, *(1,) * (y.ndim - b.ndim))
@@ -88,22 +94,30 @@ class Embedding(nnx.Module):
     """Token embeddings `[vocab, features]`, also the LM head when the embeddings are tied.
 
     The table is stored as `jaxlm.ops.embedding_storage` chooses (on CPU, an untied 16-bit
-    table as its bits).
+    table as its bits), or by `jaxlm.quantize` as int8 with one float32 `scale` per row.
     """
 
     def __init__(self, num_embeddings: int, features: int, *, tied: bool, dtype, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(dtype)
         weight = _normal(rngs, (num_embeddings, features), dtype)
         self.weight = nnx.Param(ops.embedding_storage(weight, tied), axes=("vocab", None))
+        # Set by `jaxlm.quantize`.
+        self.scale = nnx.data(None)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """The rows of `ids` `[...]`, feature-major: `[features, ...]` (float32)."""
-        return jnp.moveaxis(ops.embedding_rows(self.weight[...], ids, self.dtype), -1, 0)
+        if self.scale is None:
+            rows = ops.embedding_rows(self.weight[...], ids, self.dtype)
+        else:
+            rows = ops.quantized_rows(self.weight[...], self.scale[...], ids)
+        return jnp.moveaxis(rows, -1, 0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits `[vocab, ...]` of `x` `[features, ...]` against the embedding matrix (the tied
         LM head)."""
-        return ops.matmul(self.weight[...], x)
+        if self.scale is None:
+            return ops.matmul(self.weight[...], x)
+        return ops.quantized_matmul(self.weight[...], self.scale[...], x)
 
 
 class RMSNorm(nnx.Module):

@@ -191,6 +191,102 @@ def computed_once(predicate: jax.Array, fn, otherwise, *operands):
     return jax.lax.cond(predicate, fn, otherwise, *operands)
 
 
+# 8-bit products.
+
+# Weights are rotated along their input in blocks of up to this many features.
+_ROTATION_BLOCK = 64
+# The second int8 digit of an activation counts steps this many times finer than the first's.
+_DIGIT = 254
+
+
+@functools.cache
+def _rotation(features: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rotation of `features` inputs: random signs `[features]`, then an orthonormal
+    Hadamard matrix `[b, b]` applied to blocks of `b` features, the largest power of two up to
+    `_ROTATION_BLOCK` that divides `features`."""
+    signs = np.random.default_rng(features).choice(np.float32([-1, 1]), features)
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < math.gcd(features, _ROTATION_BLOCK):
+        h = np.block([[h, h], [h, -h]])
+    return signs, h / np.float32(np.sqrt(h.shape[0]))
+
+
+def _rotate(a: jax.Array, axis: int, inverse: bool = False) -> jax.Array:
+    """`a` with its dimension `axis` rotated by `_rotation` (or rotated back): an orthogonal
+    map, so rotating a weight's input and the activations it multiplies leaves the product
+    unchanged."""
+    a = jnp.moveaxis(a.astype(jnp.float32), axis, -1)
+    signs, h = _rotation(a.shape[-1])
+    if not inverse:
+        a = a * signs
+    blocks = a.reshape(*a.shape[:-1], -1, h.shape[0])
+    # The Hadamard matrix is symmetric: its own transpose.
+    a = jnp.matmul(blocks, h, precision=jax.lax.Precision.HIGHEST).reshape(a.shape)
+    if inverse:
+        a = a * signs
+    return jnp.moveaxis(a, -1, axis)
+
+
+def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A weight `[..., out, in]` as int8 and one float32 scale per output row `[..., out]`,
+    after rotating its input (see `quantized_matmul`): symmetric, rounded to nearest."""
+    w = _rotate(w, -1)
+    scale = jnp.max(jnp.abs(w), axis=-1) / 127
+    q = jnp.round(w / jnp.where(scale == 0, 1, scale)[..., None])
+    return q.astype(jnp.int8), scale
+
+
+def quantized_rows(q: jax.Array, scale: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows `ids` `[...]` of a table stored by `quantize_weight` (an embedding), as float32
+    `[..., features]`: dequantized, then rotated back."""
+    rows = jnp.take(q, ids, axis=0).astype(jnp.float32) * jnp.take(scale, ids)[..., None]
+    return _rotate(rows, -1, inverse=True)
+
+
+def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
+    """`w @ x` for a weight stored by `quantize_weight` and feature-major float `x` `[in,
+    ...]`: `[..., out, ...]` in float32.
+
+    Variants:
+    - CPU: each column of `x` is rounded to two int8 digits sharing one scale, the second
+      counting the first's remainder in steps 254 times finer, and both multiply the int8
+      weight in one `s8 x s8 -> s32` dot of twice the columns, which XLA:CPU runs natively
+      (one column becomes two, which it needs), then are rescaled and added in float32. With
+      one digit the activations' rounding costs ten times the weights' in divergence; with
+      two it is negligible, and the rotation of the input (random signs and Hadamard blocks,
+      folded into the weight) halves what the weights' rounding costs (see
+      `docs/performance.md`, "8-bit products").
+    - Otherwise the int8 weight is converted inside a bfloat16 dot and its rows scaled after,
+      the weight-only product that GPU and TPU compilers fuse.
+    """
+    k = q.shape[-1]
+    cols = math.prod(x.shape[1:])
+    flat = _rotate(x.reshape(k, cols), 0)
+    dims = (((q.ndim - 1,), (0,)), ((), ()))
+    if platform() == "cpu":
+        y = _in_two_digits(q, flat.astype(jnp.float32), dims)
+    else:
+        bf16 = jnp.bfloat16
+        y = jax.lax.dot_general(
+            q.astype(bf16), flat.astype(bf16), dims, preferred_element_type=jnp.float32
+        )
+    y = y * scale[..., None]
+    return y.reshape(*q.shape[:-1], *x.shape[1:])
+
+
+def _in_two_digits(q: jax.Array, x: jax.Array, dims) -> jax.Array:
+    # x [in, cols] -> digits [in, 2 * cols]: hi in the first `cols` columns, lo in the rest.
+    cols = x.shape[1]
+    step = jnp.max(jnp.abs(x), axis=0) / 127
+    step = jnp.where(step == 0, 1, step)
+    hi = jnp.round(x / step)
+    lo = jnp.clip(jnp.round((x - hi * step) * (_DIGIT / step)), -127, 127)
+    digits = jnp.concatenate([hi, lo], axis=1).astype(jnp.int8)
+    acc = jax.lax.dot_general(q, digits, dims, preferred_element_type=jnp.int32)
+    acc = acc.astype(jnp.float32)
+    return acc[..., :cols] * step + acc[..., cols:] * (step / _DIGIT)
+
+
 # Embedding tables.
 
 

@@ -179,6 +179,13 @@ def test_int8_step_runs_every_variant(tiny_tied, tmp_path):
     assert weights["int8 rows"] < weights["bfloat16"] < weights["float32"]
 
 
+def test_int4_step_runs_every_variant(capsys):
+    int4_step = load_benchmark("int4_step")
+    assert int4_step.main(["--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(v in out for v in ("int8", "int4, to int8 in the loop", "int4 in the dot"))
+
+
 def test_int8_quality_rounds_as_numpy_does(tiny_chat, tmp_path):
     int8_quality = load_benchmark("int8_quality")
     rng = np.random.default_rng(0)
@@ -203,7 +210,7 @@ def test_int8_quality_rounds_as_numpy_does(tiny_chat, tmp_path):
     out = tmp_path / "quality.json"
     assert int8_quality.main(["--model", str(tiny_chat), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [r["scheme"] for r in report["results"]] == list(int8_quality.SCHEMES)
+    assert [r["scheme"] for r in report["results"]] == [*int8_quality.SCHEMES, "jaxlm int8"]
     for r in report["results"]:
         assert r["mean_kld"] >= 0 and 0 <= r["top1"] <= 1
     same = rng.standard_normal((5, 7))

@@ -115,3 +115,15 @@ def test_generate_and_chat_turn_off_ynnpack_for_float32_unless_told(monkeypatch)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
     _without_ynnpack(jnp.float32)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+
+
+def test_plan_of_int8_weights(env):
+    out = run(env, "plan", "--max-seq-len", "512", "--quantize", "int8")
+    assert out.returncode == 0, out.stderr
+    # SmolLM2 by hand: 134,515,008 parameters, of which 61 norms of 576 stay float32; a float32
+    # scale for each of the 49,152 rows of the embedding and 30 x 5,184 rows of the layers.
+    norms, rows = 61 * 576, 49152 + 30 * (3 * 5 * 64 + 576 + 2 * 1536 + 576)
+    expected = 134_515_008 - norms + 4 * (norms + rows)
+    assert f"weights: {expected / 2**20:.2f} MiB" in out.stdout
+    out = run(env, "plan", "--quantize", "int8", "--dtype", "float16")
+    assert out.returncode == 2 and "`dtype` float16 is not accepted" in out.stderr

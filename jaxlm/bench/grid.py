@@ -174,7 +174,9 @@ def run(args) -> dict:
     t = time.perf_counter()
     # The prompts are random ids: the tokenizer is not kept, as it would add to the peak RSS
     # (see `docs/performance.md`, "Bench RSS").
-    model = jaxlm.load(path, dtype=args.dtype, progress=False, mesh=args.mesh)[0]
+    model = jaxlm.load(
+        path, dtype=args.dtype, progress=False, mesh=args.mesh, quantize=args.quantize
+    )[0]
     load_s = time.perf_counter() - t
     loaded_rss, loading_peak = current_rss(), peak_rss()
     weights = weights_bytes(model)
@@ -182,7 +184,10 @@ def run(args) -> dict:
     jaxlm_runner = JaxlmRunner(model)
     others, skipped = {}, {}
     if "transformers" in args.vs:
-        others["transformers"] = TransformersRunner(model)
+        # transformers runs the float32 weights of the file, also beside an int8 model.
+        floats = model if args.quantize is None else jaxlm.load(path, progress=False)[0]
+        others["transformers"] = TransformersRunner(floats)
+        del floats
     if "llama.cpp" in args.vs:
         reason = llama_cpp_status()
         if reason is None and path.suffix != ".gguf":
@@ -219,6 +224,7 @@ def run(args) -> dict:
         "model": {
             "path": str(path),
             "dtype": str(jnp.dtype(args.dtype)),
+            "quantize": args.quantize,
             "parameters": model.config.num_parameters(),
             "weights_bytes": weights,
             "weights_read_per_step_bytes": weights_read,

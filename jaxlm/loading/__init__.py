@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import math
 import re
 from pathlib import Path
 
@@ -13,11 +15,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxlm import ops
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
 from jaxlm.memory import release_host_memory
 from jaxlm.models import model_class
 from jaxlm.models.llama import LlamaForCausalLM
+from jaxlm.quantization import check_quantize
 from jaxlm.sharding import Partitioner, make_mesh, param_axes
 from jaxlm.tokenizer import Tokenizer
 
@@ -100,6 +104,7 @@ def load(
     progress: bool | None = None,
     check_finite: bool = True,
     mesh=None,
+    quantize: str | None = None,
 ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Load a model and its tokenizer.
 
@@ -116,6 +121,11 @@ def load(
     parallelism as `jaxlm.sharding` describes, and each device receives only its own piece of
     each tensor.
 
+    With `quantize="int8"`, the projections, the LM head and the embedding table are stored in
+    int8 as `jaxlm.quantize` stores them, each tensor quantized as it is read (a GGUF file's
+    blocks, of any type `gguf` reads, decoded first): loading holds one tensor in float at a
+    time, never a float copy of the model. `dtype` (float32 or bfloat16) is then that of the
+    norms and the KV cache.
 
     Raises:
         FileNotFoundError: `path` or a file it needs does not exist.
@@ -128,10 +138,12 @@ def load(
         >>> model, tokenizer = jaxlm.load()                       # the default model
         >>> model, tokenizer = jaxlm.load("path/to/hf_dir", dtype=jnp.bfloat16)
         >>> model, tokenizer = jaxlm.load(mesh=(1, 4))            # 4-way tensor parallel
+        >>> model, tokenizer = jaxlm.load(quantize="int8")        # 8-bit weights
     """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"`dtype` must be float32, bfloat16 or float16, got {dtype}")
+    check_quantize(quantize, dtype)
     path = default_model_path() if path is None else Path(path)
     checkpoint = open_checkpoint(path)
     try:
@@ -147,6 +159,7 @@ def load(
         source=path,
         check_finite=check_finite,
         mesh=mesh,
+        quantize=quantize,
     )
     release_host_memory()
     return model, checkpoint.tokenizer
@@ -161,12 +174,15 @@ def build_model(
     *,
     check_finite: bool = True,
     mesh=None,
+    quantize: str | None = None,
 ):
     """Build `config`'s model abstractly and fill it tensor by tensor from `checkpoint`.
 
     With `check_finite`, each tensor is checked once it is placed (cast to `dtype`): NaN,
     infinity or a value that overflows `dtype` raises `LoadError` naming the file and tensor.
     With `mesh`, each tensor is split over it, piece by piece, as `jaxlm.sharding` describes.
+    With `quantize`, the parameters `jaxlm.quantize` stores in int8 are quantized as they are
+    read, from float32.
     """
     partitioner = Partitioner(make_mesh(mesh), config) if mesh is not None else None
     where = source or checkpoint.path
@@ -175,9 +191,14 @@ def build_model(
         available.discard("lm_head.weight")
     available = {n for n in available if not n.endswith(_IGNORED_SUFFIXES)}
     _check_dims(config, checkpoint, available, where)
-    abstract = model_class(config).abstract(config, dtype=dtype)
+    abstract = model_class(config).abstract(config, dtype=dtype, quantize=quantize)
     graphdef, state = nnx.split(abstract)
     variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
+    # An int8 weight's scales are computed with it, not read: by weight name.
+    scales = {
+        name.removesuffix("scale") + "weight": variables.pop(name)
+        for name in [n for n in variables if n.endswith(".scale")]
+    }
     stored = {name: _stored_as(name, config, available) for name in variables}
     needed = {part for parts, _ in stored.values() for part in parts}
     missing = sorted(needed - available)
@@ -190,22 +211,31 @@ def build_model(
     disable = None if progress is None else not progress
     finite = {}
     to_model, joined, placed = _loading_steps()
+    quantizer = jax.jit(functools.partial(ops.quantize_weight))
     for name, var in tqdm(
         variables.items(), desc="Loading weights", unit="tensor", disable=disable
     ):
         expected = var.get_value().shape
         # A parameter the model stores as the bits of `dtype` (see `Embedding`).
         bits = var.get_value().dtype == jnp.uint16
+        # An int8 parameter is read in float32, then quantized.
+        read_as = jnp.float32 if name in scales else dtype
         parts, kind = stored[name]
         shapes = _part_shapes(config, kind, expected, len(parts))
         fused = len(parts) < len(shapes)
         for part, shape in zip(parts, _stored_shapes(shapes, fused), strict=True):
             _check_shape(where, part, checkpoint.shape(part), shape)
-        if partitioner is None:
+        if partitioner is None and name in scales and kind is None:
+            # A whole int8 parameter: decoded and quantized a part of its rows at a time.
+            raw, decode = checkpoint.encoded(parts[0])
+            value, scale, finite[parts[0]] = _quantized_in_rows(to_model, raw, decode, expected)
+            scales.pop(name).set_value(scale)
+            release_host_memory()
+        elif partitioner is None:
             values = []
             for part in parts:
                 raw, decode = checkpoint.encoded(part)
-                value, finite[part] = to_model(raw, decode=decode, dtype=dtype, bits=bits)
+                value, finite[part] = to_model(raw, decode=decode, dtype=read_as, bits=bits)
                 values.append(value)
             value = values[0] if kind is None else joined(kind, values, expected, tuple(shapes))
         else:
@@ -213,9 +243,16 @@ def build_model(
             readers = [checkpoint.slicer(part) for part in parts]
             if fused:
                 readers = [_rows_reader(readers[0], rows) for rows in _fused_rows(shapes)]
-            value = _place(kind, readers, shapes, expected, dtype, sharding)
+            value = _place(kind, readers, shapes, expected, read_as, sharding)
             value, checks = placed(kind, value, tuple(shapes), bits=bits, fused=fused)
             finite.update(zip(parts, checks, strict=True))
+        if name in scales:
+            value = _quantized(quantizer, value, scales[name], partitioner)
+            # The float copy just freed is returned to the system at once, so that the
+            # load's peak stays near the int8 weights (see `docs/performance.md`, "Host
+            # memory").
+            value.block_until_ready()
+            release_host_memory()
         var.set_value(value)
     # The checks ran as each tensor was placed; reading their results once at the end keeps
     # loading from waiting on the device tensor by tensor.
@@ -234,12 +271,26 @@ def _loading_steps():
     the persistent compilation cache.
     """
     return (
-        jax.jit(functools.partial(_to_model), static_argnames=("decode", "dtype", "bits")),
+        jax.jit(
+            functools.partial(_to_model), static_argnames=("decode", "dtype", "bits", "quantize")
+        ),
         jax.jit(functools.partial(_join), static_argnums=(0, 2, 3)),
         jax.jit(
             functools.partial(_placed), static_argnums=(0, 2), static_argnames=("bits", "fused")
         ),
     )
+
+
+def _quantized(quantizer, value, scale_var, partitioner) -> jax.Array:
+    """`value` (float32) quantized by `quantizer` (`jaxlm.ops.quantize_weight`, jitted anew
+    for each load as `_loading_steps` are): sets `scale_var` and returns the int8 values, on a
+    mesh both placed as the parameters' axes say."""
+    q, scale = quantizer(value)
+    if partitioner is not None:
+        q = jax.device_put(q, value.sharding)
+        scale = jax.device_put(scale, partitioner.sharding(param_axes(scale_var)))
+    scale_var.set_value(scale)
+    return q
 
 
 def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
@@ -337,15 +388,51 @@ def _placed(
     return (jax.lax.bitcast_convert_type(value, jnp.uint16) if bits else value), finite
 
 
-def _to_model(raw, *, decode, dtype, bits: bool) -> tuple[jax.Array, jax.Array]:
+def _to_model(raw, *, decode, dtype, bits: bool, quantize: bool = False):
     """A checkpoint tensor decoded (`decode`, a GGUF `Dequantizer`, or `None`) and cast to
-    `dtype` (as its `uint16` bits with `bits`), and whether it is all finite in `dtype`.
+    `dtype` (as its `uint16` bits with `bits`; as `jaxlm.ops.quantize_weight`'s int8 values
+    and scales with `quantize`), and whether it is all finite in `dtype`.
     """
     x = raw if decode is None else decode(raw)
     x = x.astype(dtype)
     finite = None if decode is None else decode.finite(raw, dtype)
     finite = jnp.isfinite(x).all() if finite is None else finite
+    if quantize:
+        return ops.quantize_weight(x), finite
     return (jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x), finite
+
+
+# A weight quantized at load is decoded in parts of about this many float32 bytes.
+_QUANTIZED_PART_BYTES = 16 << 20
+
+
+def _quantized_in_rows(to_model, raw, decode, shape) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The int8 values, scales and finite check of the weight of `shape` that `raw` encodes,
+    decoded and quantized in parts of its rows (scales and rotation are per row), so that a
+    large table (an embedding) is never whole in float32. A GGUF tensor whose rows llama.cpp
+    permuted (`decode.heads`) is decoded whole: a query or key projection, small.
+    """
+    rows = shape[0]
+    parts = max(1, 4 * math.prod(shape) // _QUANTIZED_PART_BYTES)
+    if decode is not None and decode.heads:
+        parts = 1
+    while rows % parts:
+        parts += 1
+    size = rows // parts
+    if decode is not None and parts > 1:
+        raw = np.asarray(raw).reshape(rows, -1)
+        decode = dataclasses.replace(decode, shape=(size, *shape[1:]))
+    qs, scales, finite = [], [], []
+    for start in range(0, rows, size):
+        (q, scale), ok = to_model(
+            raw[start : start + size], decode=decode, dtype=jnp.float32, bits=False, quantize=True
+        )
+        qs.append(q)
+        scales.append(scale)
+        finite.append(ok)
+    if parts == 1:
+        return qs[0], scales[0], finite[0]
+    return jnp.concatenate(qs), jnp.concatenate(scales), jnp.all(jnp.stack(finite))
 
 
 def _not_finite(checkpoint, name: str, tensor, dtype) -> str:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import ops
+from jaxlm import ops, quantization
 from jaxlm.config import ModelConfig
 from jaxlm.layers import (
     MLP,
@@ -334,15 +334,23 @@ class LlamaForCausalLM(nnx.Module):
             )
 
     @classmethod
-    def abstract(cls, config: ModelConfig, *, dtype=jnp.float32) -> LlamaForCausalLM:
+    def abstract(
+        cls, config: ModelConfig, *, dtype=jnp.float32, quantize: str | None = None
+    ) -> LlamaForCausalLM:
         """The model with shapes but no weights (`nnx.eval_shape`): for `jaxlm.plan`, or to fill.
+        With `quantize` (`"int8"`), its weights have the shapes `jaxlm.quantize` gives them.
 
         Example:
             >>> model = LlamaForCausalLM.abstract(config, dtype=jnp.bfloat16)
             >>> print(jaxlm.plan(model, max_batch=8, max_seq_len=8192))
         """
+
+        def build():
+            model = cls(config, dtype=dtype, rngs=nnx.Rngs(0))
+            return model if quantize is None else quantization.quantize(model, quantize)
+
         with shapes_only():
-            return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+            return nnx.eval_shape(build)
 
     def _logits(self, x):
         # x [hidden, ...] -> [..., vocab].

@@ -1,0 +1,91 @@
+"""`jaxlm.quantize`: a model's weights in 8 bits, multiplied by XLA's integer products.
+
+Every projection (q/k/v, o, gate/up, down), the LM head and the embedding table keep their
+weights as int8 with one float32 scale per output row (per token for the table), their input
+rotated first (`jaxlm.ops.quantize_weight`). Norms, biases, the KV cache and the activations
+between products stay in the model's float dtype. The products round their activations to
+int8 as they run (`jaxlm.ops.quantized_matmul`); embedding rows are dequantized and rotated
+back as they are gathered (`jaxlm.ops.quantized_rows`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm import ops
+from jaxlm.layers import Embedding, Linear
+
+QUANTIZE_MODES = ("int8",)
+# The float dtypes an int8 model keeps its norms, caches and activations in.
+QUANTIZED_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def check_quantize(quantize: str | None, dtype=None) -> str | None:
+    """`quantize` if jaxlm offers it with `dtype` (the model's float dtype), else `ValueError`.
+
+    int4 is not offered: XLA:CPU keeps no 4-bit weight in memory during decode (see
+    `docs/performance.md`, "8-bit products"), so 4-bit GGUF files load as int8.
+    """
+    if quantize is None:
+        return None
+    if quantize not in QUANTIZE_MODES:
+        extra = "; 4-bit files load as `int8`" if quantize == "int4" else ""
+        raise ValueError(f"`quantize` must be None or `int8`, got {quantize!r}{extra}")
+    if dtype is not None and jnp.dtype(dtype) not in QUANTIZED_DTYPES:
+        raise ValueError(
+            f"`quantize='int8'` keeps the norms and the KV cache in float32 or bfloat16; "
+            f"`dtype` {jnp.dtype(dtype).name} is not accepted with it"
+        )
+    return quantize
+
+
+def quantized_params(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """The layers of `model` that `quantize` stores in int8, with their paths (`a.b.c`)."""
+    return [
+        (".".join(map(str, path)), module)
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Linear | Embedding)
+    ]
+
+
+def quantize(model: nnx.Module, mode: str = "int8") -> nnx.Module:
+    """Store `model`'s projections, LM head and embedding table in int8, in place; returns it.
+
+    Also runs inside `nnx.eval_shape` on an abstract model, which is how `jaxlm.load(...,
+    quantize="int8")` and `jaxlm.plan` see the int8 shapes before any weight exists.
+
+    Example:
+        >>> model, tokenizer = jaxlm.load()
+        >>> model = jaxlm.quantize(model, "int8")
+    """
+    check_quantize(mode, getattr(model, "dtype", None))
+    layers = quantized_params(model)
+    covered = {path for path, _ in layers}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(map(str, path))
+        if var.get_value().ndim >= 2 and name.rpartition(".")[0] not in covered:
+            raise ValueError(
+                f"`quantize` stores linear layers and embeddings in int8; `{name}` is neither "
+                "(a mixture of experts' stacked experts are not quantized yet)"
+            )
+    quantize_weight = jax.jit(ops.quantize_weight)
+    for _, module in layers:
+        if module.scale is not None:
+            continue
+        var = module.weight
+        axes = var.get_metadata().get("axes") or (None,) * var.get_value().ndim
+        floats = embedding_floats(module) if isinstance(module, Embedding) else var.get_value()
+        q, scale = quantize_weight(floats)
+        module.weight = nnx.Param(q, axes=axes)
+        module.scale = nnx.Param(scale, axes=axes[:-1])
+    return model
+
+
+def embedding_floats(module: Embedding) -> jax.Array:
+    """An embedding's float table, from the bits `jaxlm.ops.embedding_storage` may keep."""
+    table = module.weight.get_value()
+    if table.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(table, module.dtype)
+    return table
