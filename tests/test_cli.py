@@ -104,16 +104,17 @@ def test_generate_and_chat_turn_off_ynnpack_for_float32_unless_told(monkeypatch)
     from jaxlm.cli import _without_ynnpack
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    for dtype in (jnp.bfloat16, jnp.float16):
-        _without_ynnpack(dtype)
+    # bfloat16 and int8 products run on YNNPACK.
+    for dtype, quantize in ((jnp.bfloat16, None), (jnp.float16, None), (jnp.float32, "int8")):
+        _without_ynnpack(dtype, quantize)
         assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
-    _without_ynnpack(jnp.float32)
+    _without_ynnpack(jnp.float32, None)
     assert os.environ["XLA_FLAGS"].split() == [
         "--xla_dump_to=/tmp/x",
         "--xla_cpu_experimental_ynn_fusion_type=",
     ]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
-    _without_ynnpack(jnp.float32)
+    _without_ynnpack(jnp.float32, None)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
 
 
