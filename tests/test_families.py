@@ -302,7 +302,7 @@ def test_full_size_plan_without_allocating(name):
     fitted = jaxlm.plan(model, max_batch=2, budget=plan.total_bytes + 1000, steps=("decode",))
     assert fitted.max_seq_len == 512
     gc.collect()
-    assert len(jax.live_arrays()) == live_before
+    assert len(jax.live_arrays()) <= live_before
 
 
 def test_gemma2_refuses_another_activation():
