@@ -431,10 +431,12 @@ def _fit(make, floor, limit: int, config) -> object | None:
 
     Weights and scratch grow linearly with the pages and are known without compiling, so a
     cheap bisection bounds the answer: `top`, the most pages whose weights and scratch fit.
-    Plans are compiled only below that bound. If `top`'s bill is over, the search starts from
-    a guess that XLA's temporaries grow in proportion to the pages, and from there steps up
-    while plans fit and bisects once one does not: usually two or three compilations, where a
-    bisection from one page would take one per halving.
+    Plans are compiled only below that bound. If `top`'s bill is over, each next plan compiled
+    is the most pages that fit if XLA's temporaries follow a line: through no temporaries at no
+    pages and `top`'s at first (a prefill's scores grow with the context), then through the last
+    two plans compiled (a decode step's temporaries hardly grow), and bisecting after three
+    guesses. Usually three or four compilations, where a bisection from one page would take one
+    per halving.
     """
 
     def most_pages(hi: int, extra) -> int:
@@ -451,16 +453,23 @@ def _fit(make, floor, limit: int, config) -> object | None:
     best = make(top * PAGE)
     if best.total_bytes <= limit:
         return best
-    temporaries = best.total_bytes - floor(top * PAGE)
+    # (pages, temporaries) of the plans compiled, the latest last.
+    seen = [(0, 0), (top, best.total_bytes - floor(top * PAGE))]
+
+    def line(pages: int) -> int:
+        (p0, t0), (p1, t1) = seen[-2:]
+        return t0 + (t1 - t0) * (pages - p0) // (p1 - p0)
+
     # `lo` pages fit (0: none known to), more than `hi` do not.
-    lo, hi, best, step = 0, top - 1, None, 1
-    probe = max(1, most_pages(hi, lambda pages: temporaries * pages // top))
+    lo, hi, best = 0, top - 1, None
     while lo < hi:
+        # Bisection after three guesses, should the temporaries follow no line.
+        guess = most_pages(hi, line) if len(seen) < 5 else (lo + hi + 1) // 2
+        probe = min(hi, max(lo + 1, guess))
         candidate = make(probe * PAGE)
+        seen.append((probe, candidate.total_bytes - floor(probe * PAGE)))
         if candidate.total_bytes <= limit:
             best, lo = candidate, probe
-            probe, step = min(hi, probe + step), 2 * step
         else:
             hi = probe - 1
-            probe = (lo + hi + 1) // 2
     return best
