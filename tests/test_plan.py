@@ -408,3 +408,30 @@ def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, tempo
     fitting = [n for n in range(1, pages + 1) if make(n * PAGE).total_bytes <= limit]
     best = _fit(make, floor, limit, config)
     assert (best and best.seq) == (max(fitting) * PAGE if fitting else None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), min_size=64, max_size=64),
+    st.integers(0, 5000),
+    st.integers(0, 2000),
+)
+def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base):
+    # Any bill that never shrinks as the pages grow: weights and scratch of 10 a page, and
+    # temporaries growing by steps drawn at random (flat, linear or neither).
+    from jaxlm.planner import PAGE, _fit
+
+    temporaries = list(itertools.accumulate(growth, initial=base))
+    floor = lambda seq: 10 * (seq // PAGE)
+    compiled = []
+
+    def make(seq):
+        compiled.append(seq)
+        return types.SimpleNamespace(total_bytes=floor(seq) + temporaries[seq // PAGE], seq=seq)
+
+    config = types.SimpleNamespace(max_position_embeddings=64 * PAGE)
+    fitted = _fit(make, floor, limit, config)
+    fits = [p for p in range(1, 65) if floor(p * PAGE) + temporaries[p] <= limit]
+    assert (fitted and fitted.seq) == (max(fits) * PAGE if fits else None)
+    # Three guesses, then a bisection of what is left.
+    assert len(compiled) <= 1 + 3 + 6
