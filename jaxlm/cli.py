@@ -109,6 +109,9 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages, instead")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=256)
+    s.add_argument(
+        "--decode-steps", type=_positive_int, default=4, help="decode steps per XLA call"
+    )
     s.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
 
     b = sub.add_parser("bench", help="benchmark prefill and decode (see benchmarks/bench.py)")
@@ -235,6 +238,7 @@ def _serve(args) -> None:
         budget=args.budget,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_cache=not args.no_prefix_cache,
+        decode_steps=args.decode_steps,
     )
     print(f"{engine.describe()}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(engine, name, host=args.host, port=args.port)

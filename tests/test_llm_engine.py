@@ -101,6 +101,37 @@ def test_too_few_pages_preempt_and_every_output_stays_exact(tiny):
     assert [r.token_ids for r in results] == expected
 
 
+def test_several_decode_steps_per_call_stop_where_each_request_stops(tiny):
+    # Each request stops at a token its greedy run samples halfway, so that rows stop inside a
+    # call of several steps while the others go on.
+    reqs = []
+    for prompt, new in requests(4, 8, tiny.config.vocab_size):
+        tokens = solo(tiny, prompt, new)
+        kw = dict(max_new_tokens=new, stop_token_ids=[tokens[len(tokens) // 2]])
+        reqs.append(dict(prompt=prompt, kw=kw))
+    expected = [expected_tokens(tiny, r) for r in reqs]
+    for steps in (1, 4):
+        with LLMEngine(
+            tiny,
+            max_num_seqs=4,
+            page_size=4,
+            num_pages=96,
+            max_num_batched_tokens=16,
+            decode_steps=steps,
+        ) as e:
+            handles = [e.submit(r["prompt"], **r["kw"]) for r in reqs]
+            results = [h.result(timeout=300) for h in handles]
+            stats = e.stats()
+            assert e.pool.num_in_use == 0
+            # One request alone: a call for its prompt, then one per `steps` tokens.
+            e.generate([[1, 2, 3]], max_new_tokens=17, stop_token_ids=[])
+            assert e.stats().calls - stats.calls == 1 + 16 // steps
+        assert [r.token_ids for r in results] == expected, steps
+        # The stop tokens were generated, not shown.
+        assert stats.generated_tokens == sum(map(len, expected)) + len(reqs)
+        assert stats.calls == stats.steps if steps == 1 else stats.calls < stats.steps
+
+
 def test_a_shared_prefix_is_computed_once(tiny):
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, tiny.config.vocab_size, 64).tolist()

@@ -8,12 +8,15 @@ so none waits for another to finish.
 
 A step runs one token of each of its `max_num_seqs` rows and, in steps that have one, a chunk
 of one sequence's prompt padded to one of a few widths; every variant is compiled when the
-engine starts, so serving never compiles.
+engine starts, so serving never compiles. A step of decode tokens alone runs in a `while_loop`
+of up to `decode_steps` steps, each feeding back the tokens it sampled, so that the engine's
+thread comes back to Python (and takes the GIL) once for all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -83,6 +86,8 @@ class EngineStats:
     pages_free: int
     pages_cached: int
     steps: int
+    # A call runs up to `decode_steps` steps of decode tokens alone.
+    calls: int
     prefill_tokens: int
     cached_prompt_tokens: int
     generated_tokens: int
@@ -213,6 +218,8 @@ class LLMEngine:
     `max_num_seqs` sequences run at once, each up to `max_seq_len` tokens in pages of
     `page_size`; `num_pages` pages in all (page 0 pads), or as many as `budget` leaves beside
     the weights and the steps' temporaries. A step runs at most `max_num_batched_tokens` tokens.
+    Decode steps run `decode_steps` at a time while no prompt waits, ending early where a
+    request samples a stop token: the tokens of a call reach its requests together.
 
     Example:
         >>> engine = jaxlm.LLMEngine(model, tokenizer, max_num_seqs=4, budget="1GiB")
@@ -234,7 +241,10 @@ class LLMEngine:
         max_num_batched_tokens: int = 256,
         prefix_cache: bool = True,
         max_queue: int = 1024,
+        decode_steps: int = 4,
     ):
+        if not is_int(decode_steps) or decode_steps < 1:
+            raise ValueError(f"`decode_steps` must be a positive integer, got {decode_steps!r}")
         if (num_pages is None) == (budget is None):
             raise ValueError("give one of `num_pages` and `budget`")
         if mesh_of(nnx.state(model)) is not None:
@@ -250,7 +260,9 @@ class LLMEngine:
         self.max_num_seqs = max_num_seqs
         self.buckets = _buckets(max_num_batched_tokens)
         self._graphdef, self._state = nnx.split(model)
+        self.decode_steps = decode_steps
         self._step = jax.jit(self._run, donate_argnums=1)
+        self._decode = jax.jit(self._run_decode, donate_argnums=1)
         if budget is not None:
             limit = parse_bytes(budget)
             num_pages = self._pages_within(limit)
@@ -277,6 +289,7 @@ class LLMEngine:
         self.pages = jax.jit(lambda: self._zeros(num_pages))()
         self._unseen = np.zeros((max_num_seqs, model.config.vocab_size), bool)
         self.steps = 0
+        self.calls = 0
         self.prefill_tokens = 0
         self.generated_tokens = 0
         self.finished = 0
@@ -339,40 +352,61 @@ class LLMEngine:
         params = {n: sds((rows,), _SAMPLING_DTYPES.get(n, jnp.float32)) for n in SAMPLING_FIELDS}
         seen = sds((rows, self.model.config.vocab_size), jnp.bool_)
         rest = (params, sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32), seen, sds((), bool))
-        out = {}
-        for width in (0, *self.buckets):
-            chunk = {**tokens(1, width), "row": sds((), jnp.int32)} if width else None
-            out[width] = self._step.lower(self._state, pages, tokens(rows, 1), chunk, *rest)
-            out[width] = out[width].compile()
+        decode = (self._state, pages, tokens(rows, 1))
+        out = {0: self._decode.lower(*decode, *rest, sds((), jnp.int32), seen).compile()}
+        for width in self.buckets:
+            chunk = {**tokens(1, width), "row": sds((), jnp.int32)}
+            out[width] = self._step.lower(*decode, chunk, *rest).compile()
         return out
 
     # The step.
 
     def _run(self, state, pages, decode, chunk, params, keys, generated, seen, logprobs):
-        # One token of each row and (in the steps with one) a prompt chunk of one row, as two
-        # groups of their own widths: padding every row to the chunk's width would multiply the
-        # work of a step by its rows.
+        # One token of each row and a prompt chunk of one row, as two groups of their own
+        # widths: padding every row to the chunk's width would multiply the work of a step by
+        # its rows.
         model = nnx.merge(self._graphdef, state)
-        if chunk is None:
-            (logits,), pages = model.forward_paged([decode], pages)
-        else:
-            row = chunk.pop("row")
-            (logits, chunk_logits), pages = model.forward_paged([decode, chunk], pages)
-            logits = logits.at[row].set(chunk_logits[0])
-        raw = logits
-        penalty = params["repetition_penalty"]
-        logits = jax.lax.cond(
-            jnp.any(penalty != 1.0),
-            lambda x: sampling.penalize_seen(x, seen, penalty),
-            lambda x: x,
-            logits,
+        row = chunk.pop("row")
+        (logits, chunk_logits), pages = model.forward_paged([decode, chunk], pages)
+        logits = logits.at[row].set(chunk_logits[0])
+        return pages, _pack(_sample(logits, params, keys, generated, seen, logprobs))[None]
+
+    def _run_decode(
+        self, state, pages, decode, params, keys, generated, seen, logprobs, steps, stops
+    ):
+        # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
+        # samples one of its `stops` [rows, vocab]: the engine's thread (and the GIL) comes
+        # back once for all of them.
+        model = nnx.merge(self._graphdef, state)
+        rows = decode["input_ids"].shape[0]
+        live = decode["positions"][:, 0] >= 0
+        # Steps not run keep token -1 (`_unpack`).
+        out = jnp.full((self.decode_steps, rows, _PACKED), -1, jnp.int32)
+
+        def step(carry):
+            i, pages, ids, positions, generated, seen, out, _ = carry
+            group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
+            (logits,), pages = model.forward_paged([group], pages)
+            sampled = _sample(logits, params, keys, generated, seen, logprobs)
+            token = sampled[0]
+            out = out.at[i].set(_pack(sampled))
+            stopped = jnp.any(live & stops[jnp.arange(rows), token])
+            positions = jnp.where(live, positions + 1, -1)
+            seen = seen.at[jnp.arange(rows), token].set(True)
+            return i + 1, pages, token, positions, generated + 1, seen, out, stopped
+
+        carry = (
+            jnp.int32(0),
+            pages,
+            decode["input_ids"][:, 0],
+            decode["positions"][:, 0],
+            generated,
+            seen,
         )
-        # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
-        keys = jax.vmap(jax.random.fold_in)(keys, generated)
-        token = sampling.sample(
-            logits, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
+        carry = jax.lax.while_loop(
+            lambda c: (c[0] < steps) & ~c[-1], step, (*carry, out, jnp.bool_(False))
         )
-        return pages, token, jax.lax.cond(logprobs, _logprobs, _no_logprobs, raw, token)
+        return carry[1], carry[6]
 
     def _inputs(self, batch: Batch) -> tuple[int, tuple]:
         rows, per_seq = self.max_num_seqs, self.pages_per_seq
@@ -422,7 +456,13 @@ class LLMEngine:
                     seen = np.zeros_like(self._unseen)
                 seen[r, seq.tokens] = True
             want_logprobs |= c.sample and self._handles[seq.id].logprobs is not None
-        return width, (decode, chunk, params, keys, generated, seen, np.bool_(want_logprobs))
+        rest = (params, keys, generated, seen, np.bool_(want_logprobs))
+        if chunk is not None:
+            return width, (decode, chunk, *rest)
+        stops = np.zeros((rows, self.model.config.vocab_size), bool)
+        for c in batch.chunks:
+            stops[c.seq.slot, sorted(self._handles[c.seq.id]._req.stop_ids)] = True
+        return 0, (decode, *rest, np.int32(batch.steps), stops)
 
     def _loop(self) -> None:
         while True:
@@ -431,20 +471,23 @@ class LLMEngine:
                     self._wake.wait()
                 if self._closed:
                     return
-                batch = self.scheduler.schedule()
+                batch = self.scheduler.schedule(self.decode_steps)
                 if not batch.chunks:
                     continue
                 width, inputs = self._inputs(batch)
                 rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
             try:
-                self.pages, tokens, logprobs = self.compiled[width](
-                    self._state, self.pages, *inputs
-                )
-                tokens, logprobs = np.asarray(tokens), jax.tree.map(np.asarray, logprobs)
+                self.pages, out = self.compiled[width](self._state, self.pages, *inputs)
+                # One array, so the thread gives up the GIL once to wait for the step.
+                out = np.asarray(out)
+                self.calls += 1
                 with self._wake:
-                    self._record(
-                        batch, {i: int(tokens[r]) for i, r in rows.items()}, logprobs, rows
-                    )
+                    for step in _unpack(out):
+                        tokens = step[0]
+                        sampled = {i: int(tokens[r]) for i, r in rows.items()}
+                        self._record(batch, sampled, step[1:], rows)
+                        batch = self.scheduler.next_steps(batch)
+                        rows = {c.seq.id: c.seq.slot for c in batch.chunks}
             except BaseException as error:  # the engine cannot go on: fail every request
                 self._fail_all(error)
                 return
@@ -522,6 +565,7 @@ class LLMEngine:
                 pages_free=pool.num_available,
                 pages_cached=pool.num_cached,
                 steps=self.steps,
+                calls=self.calls,
                 prefill_tokens=self.prefill_tokens,
                 cached_prompt_tokens=s.cached_tokens,
                 generated_tokens=self.generated_tokens,
@@ -613,6 +657,42 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _sample(logits, params, keys, generated, seen, logprobs):
+    """Each row's next token, and with `logprobs`, its log-probabilities (else zeros)."""
+    penalty = params["repetition_penalty"]
+    penalized = jax.lax.cond(
+        jnp.any(penalty != 1.0),
+        lambda x: sampling.penalize_seen(x, seen, penalty),
+        lambda x: x,
+        logits,
+    )
+    # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
+    keys = jax.vmap(jax.random.fold_in)(keys, generated)
+    token = sampling.sample(
+        penalized, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
+    )
+    return token, *jax.lax.cond(logprobs, _logprobs, _no_logprobs, logits, token)
+
+
+# A step's output per row, packed in one int32 array: the token, its log-probability, the ids
+# of the `TOP_LOGPROBS` most likely tokens and their log-probabilities (floats as bits).
+_PACKED = 2 + 2 * TOP_LOGPROBS
+
+
+def _pack(sampled) -> jax.Array:
+    token, chosen, ids, top = sampled
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([token[:, None], bits(chosen)[:, None], ids, bits(top)], axis=1)
+
+
+def _unpack(out: np.ndarray):
+    """The steps a call ran, each `(tokens, logprobs, top ids, top logprobs)` per row."""
+    for step in out[out[:, 0, 0] >= 0]:
+        ids = step[:, 2 : 2 + TOP_LOGPROBS]
+        top = step[:, 2 + TOP_LOGPROBS :].view(np.float32)
+        yield step[:, 0], step[:, 1].view(np.float32), ids, top
 
 
 def _logprobs(logits, token):

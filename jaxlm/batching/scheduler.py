@@ -78,6 +78,9 @@ class Batch:
 
     chunks: tuple[Chunk, ...]
     preempted: tuple[SequenceState, ...] = ()
+    # The decode steps to run back to back (a batch of decode chunks alone), each feeding the
+    # token the last sampled; every sequence has pages for all of them.
+    steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -206,9 +209,13 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def schedule(self) -> Batch:
+    def schedule(self, max_steps: int = 1) -> Batch:
         """The next step's chunks. Sequences preempted because pages ran out are listed in the
-        batch (`preempted`); they are back in the queue, to be computed again."""
+        batch (`preempted`); they are back in the queue, to be computed again.
+
+        A batch of decode chunks alone runs up to `max_steps` steps (`Batch.steps`): no more
+        than any of its sequences has left, and only as many as the free pages allow without
+        preempting; report each with `update()` and the chunks of `next_steps()`."""
         self._preempted: list[SequenceState] = []
         chunks: list[Chunk] = []
         decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.id)
@@ -241,7 +248,27 @@ class Scheduler:
             chunks.append(Chunk(seq, seq.num_computed, tokens, end == len(seq.tokens)))
             budget -= len(tokens)
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
-        return Batch(tuple(chunks), tuple(self._preempted))
+        steps = self._steps(chunks, max_steps) if len(chunks) == decodes else 1
+        return Batch(tuple(chunks), tuple(self._preempted), steps)
+
+    def _steps(self, chunks: list[Chunk], max_steps: int) -> int:
+        """How many decode steps `chunks` run in a row, given their pages for all of them."""
+        seqs = [c.seq for c in chunks]
+        steps = min([max_steps] + [s.max_new_tokens - len(s.output) for s in seqs])
+        size = self.pool.page_size
+        needed = [-(-(len(s.tokens) + steps - 1) // size) - len(s.pages) for s in seqs]
+        if steps <= 1 or sum(needed) > self.pool.num_available:
+            return 1
+        for seq, n in zip(seqs, needed, strict=True):
+            if n > 0:
+                seq.pages += self.pool.allocate(n)
+        return steps
+
+    def next_steps(self, batch: Batch) -> Batch:
+        """The decode chunks of the step after `batch`'s (one of its `steps`), once `update()` has
+        recorded it: the sequences still running, each with the token it sampled last."""
+        chunks = (c.seq for c in batch.chunks if c.seq.status is Status.RUNNING)
+        return Batch(tuple(Chunk(s, len(s.tokens) - 1, (s.tokens[-1],), True) for s in chunks))
 
     # After the step.
 

@@ -38,6 +38,7 @@ class _EngineCollector:
             "generation_tokens": ("Tokens generated.", s.generated_tokens),
             "preemptions": ("Sequences preempted for pages.", s.preemptions),
             "engine_steps": ("Steps the engine ran.", s.steps),
+            "engine_calls": ("XLA calls that ran the steps.", s.calls),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"jaxlm_{name}", doc, value=value)
