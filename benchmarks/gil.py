@@ -6,7 +6,8 @@ Four workloads generate greedy tokens from the same weights:
   on the host after every step;
 - `engine`: a `jaxlm.LLMEngine` serving a stream of requests of several lengths, more than it
   has rows, so that requests join the running batch as others leave; its own thread schedules
-  and runs one XLA call per step;
+  and runs one XLA call per step with a prompt chunk, and one per `--decode-steps` steps of
+  decode tokens alone;
 - `transformers`: transformers' `generate` on a `LlamaForCausalLM` holding the same weights.
 
 Each runs alone and then beside a thread spinning `n += 1`, which holds the GIL whenever it can.
@@ -19,7 +20,12 @@ before measuring. The engine's thread starts while the process is pinned, so it 
 beside XLA's; the main thread only submits requests and waits for them. transformers runs on
 one torch thread pinned to core 0 as well.
 
+Each time a thread waits for XLA it gives up the GIL, and takes it back only when the busy
+thread is made to drop it, after the switch interval (`sys.setswitchinterval`, 5 ms unless
+set): `--switch-interval` sets it for the whole run.
+
 Usage: python benchmarks/gil.py [--model PATH] [--new-tokens 64] [--seconds 2] [--repeats 3]
+       [--decode-steps 4] [--switch-interval 0.0005]
 """
 
 from __future__ import annotations
@@ -132,7 +138,12 @@ def main_thread_on(cpus):
 
 
 def make_workloads(
-    model, prompt: list[int], new_tokens: int, transformers: bool, stack: contextlib.ExitStack
+    model,
+    prompt: list[int],
+    new_tokens: int,
+    transformers: bool,
+    stack: contextlib.ExitStack,
+    decode_steps: int = 4,
 ) -> dict:
     """The workloads by name: a function generating greedy tokens for `prompt` (`new_tokens` of
     them, or a round of requests of up to as many for the engine) that returns how many it made,
@@ -184,6 +195,7 @@ def make_workloads(
             num_pages=ENGINE_SEQS * -(-seq_len // 16) + 1,
             max_num_batched_tokens=2 * bucket(len(prompt), 16),
             prefix_cache=False,
+            decode_steps=decode_steps,
         )
     )
     lengths_new = [max(1, new_tokens * (4 - i % 4) // 4) for i in range(ENGINE_REQUESTS)]
@@ -294,6 +306,8 @@ def format_table(results: dict) -> str:
     lines = [
         f"pinned: {results['pinned']} (XLA threads by CPU list: {results['thread_affinities']}); "
         f"busy thread alone {results['busy_alone_it_s'] / 1e6:.1f}M it/s; "
+        f"GIL switch interval {results['switch_interval'] * 1e3:g} ms; the engine's decode "
+        f"steps per call {results['decode_steps']}; "
         f"medians of {results['repeats']} repeats of {results['seconds']:g} s; cores busy with "
         "other processes during each repeat: "
         + ", ".join(f"{c:.2f}" for c in results["other_load_cores"]),
@@ -315,6 +329,7 @@ def run(
     repeats: int = 3,
     transformers: bool = True,
     pinned: set[int] | None = None,
+    decode_steps: int = 4,
 ) -> dict:
     """Load the model, build the workloads and measure them; returns the results.
 
@@ -327,7 +342,7 @@ def run(
     model, _ = jaxlm.load(model_path, progress=False)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len).tolist()
     with contextlib.ExitStack() as stack:
-        workloads = make_workloads(model, prompt, new_tokens, transformers, stack)
+        workloads = make_workloads(model, prompt, new_tokens, transformers, stack, decode_steps)
         if pinned:
             # Loading and compiling ran pinned, so every XLA thread (and the engine's) started
             # on core 0; the main thread now gets every core back and the busy thread takes 1.
@@ -341,6 +356,8 @@ def run(
         seconds=seconds,
         prompt_len=prompt_len,
         new_tokens=new_tokens,
+        decode_steps=decode_steps,
+        switch_interval=sys.getswitchinterval(),
     )
     return results
 
@@ -356,7 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-transformers", action="store_true", help="skip transformers")
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     p.add_argument("--no-pin", action="store_true", help="leave XLA and the busy thread unpinned")
+    p.add_argument("--decode-steps", type=int, default=4, help="the engine's decode steps per call")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="seconds: `sys.setswitchinterval` before measuring (default: Python's, 0.005)",
+    )
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     pinned = None
     cpus = os.sched_getaffinity(0)
     # XLA sizes its thread pools from the affinity mask when it creates its CPU client, which
@@ -372,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         transformers=not args.no_transformers,
         pinned=pinned,
+        decode_steps=args.decode_steps,
     )
     print(format_table(results))
     if args.json is not None:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 CACHE_DIR = Path(os.environ.get("JAXLM_CACHE_DIR", Path.home() / ".cache" / "jaxlm"))
+# Seconds: `jaxlm serve`'s GIL switch interval, a tenth of Python's default.
+SERVE_SWITCH_INTERVAL = 5e-4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -227,6 +229,9 @@ def _serve(args) -> None:
         # Room for every sequence at its longest, so none is ever preempted.
         num_pages = 1 + args.max_num_seqs * -(-max_seq_len // args.page_size)
     name = args.served_model_name or Path(args.model or default_model_path()).stem
+    # The event loop's thread holds the GIL between requests' events; the engine's thread,
+    # back from XLA, waits up to the switch interval for it (`docs/performance.md`, "GIL").
+    sys.setswitchinterval(SERVE_SWITCH_INTERVAL)
     print(f"jaxlm serve: compiling the steps of `{name}`...", file=sys.stderr)
     engine = jaxlm.LLMEngine(
         model,

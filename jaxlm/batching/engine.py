@@ -1,22 +1,16 @@
 """`LLMEngine`: continuous batching of a model's requests over a paged KV cache.
 
 A thread of the engine's own runs steps while requests come and go: `Scheduler.schedule()`
-picks each step's decode tokens and prompt chunks, one jitted call runs them over the pages
-(`forward_paged`), samples the next token of every sequence that has reached its end, and
+picks each step's decode tokens and prompt chunks, one jitted call (`jaxlm.batching.step`) runs
+them over the pages, samples the next token of every sequence that has reached its end, and
 returns the pages updated in place. Requests join at the next step and leave when they stop,
-so none waits for another to finish.
-
-A step runs one token of each of its `max_num_seqs` rows and, in steps that have one, a chunk
-of one sequence's prompt padded to one of a few widths; every variant is compiled when the
-engine starts, so serving never compiles. A step of decode tokens alone runs in a `while_loop`
-of up to `decode_steps` steps, each feeding back the tokens it sampled, so that the engine's
-thread comes back to Python (and takes the GIL) once for all of them.
+so none waits for another to finish. Every step is compiled when the engine starts, so serving
+never compiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
 import threading
 import time
@@ -27,18 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm import ops, sampling
+from jaxlm import ops
+from jaxlm.batching import step
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.scheduler import Batch, Scheduler, SequenceState
-from jaxlm.engine import SAMPLING_FIELDS, weights_bytes
+from jaxlm.batching.step import TOP_LOGPROBS, Steps
+from jaxlm.engine import weights_bytes
 from jaxlm.memory import ExecutableMemory, format_bytes, parse_bytes
 from jaxlm.requests import Detokenizer, cut_at_stop, is_int, parse_request
 from jaxlm.sharding import mesh_of
 
 _DONE = object()
-_SAMPLING_DTYPES = {"top_k": np.int32}
-# The most alternatives a request can ask log-probabilities of, as OpenAI allows.
-TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,11 +251,17 @@ class LLMEngine:
         self.page_size = page_size
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.max_num_seqs = max_num_seqs
-        self.buckets = _buckets(max_num_batched_tokens)
-        self._graphdef, self._state = nnx.split(model)
+        self.buckets = step.buckets(max_num_batched_tokens)
+        graphdef, self._state = nnx.split(model)
         self.decode_steps = decode_steps
-        self._step = jax.jit(self._run, donate_argnums=1)
-        self._decode = jax.jit(self._run_decode, donate_argnums=1)
+        self._steps = Steps(
+            graphdef,
+            rows=max_num_seqs,
+            pages_per_seq=self.pages_per_seq,
+            vocab_size=config.vocab_size,
+            buckets=self.buckets,
+            decode_steps=decode_steps,
+        )
         if budget is not None:
             limit = parse_bytes(budget)
             num_pages = self._pages_within(limit)
@@ -287,7 +286,6 @@ class LLMEngine:
             max_prefill_chunks=1,
         )
         self.pages = jax.jit(lambda: self._zeros(num_pages))()
-        self._unseen = np.zeros((max_num_seqs, model.config.vocab_size), bool)
         self.steps = 0
         self.calls = 0
         self.prefill_tokens = 0
@@ -337,132 +335,7 @@ class LLMEngine:
 
     def _compile(self, num_pages: int) -> dict:
         """The step for each prompt chunk width (`0`: decode tokens alone), compiled."""
-        pages = jax.eval_shape(lambda: self._zeros(num_pages))
-        sds = jax.ShapeDtypeStruct
-        rows, per_seq = self.max_num_seqs, self.pages_per_seq
-
-        def tokens(r, c):
-            return dict(
-                input_ids=sds((r, c), jnp.int32),
-                positions=sds((r, c), jnp.int32),
-                table=sds((r, per_seq), jnp.int32),
-                last=sds((r,), jnp.int32),
-            )
-
-        params = {n: sds((rows,), _SAMPLING_DTYPES.get(n, jnp.float32)) for n in SAMPLING_FIELDS}
-        seen = sds((rows, self.model.config.vocab_size), jnp.bool_)
-        rest = (params, sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32), seen, sds((), bool))
-        decode = (self._state, pages, tokens(rows, 1))
-        out = {0: self._decode.lower(*decode, *rest, sds((), jnp.int32), seen).compile()}
-        for width in self.buckets:
-            chunk = {**tokens(1, width), "row": sds((), jnp.int32)}
-            out[width] = self._step.lower(*decode, chunk, *rest).compile()
-        return out
-
-    # The step.
-
-    def _run(self, state, pages, decode, chunk, params, keys, generated, seen, logprobs):
-        # One token of each row and a prompt chunk of one row, as two groups of their own
-        # widths: padding every row to the chunk's width would multiply the work of a step by
-        # its rows.
-        model = nnx.merge(self._graphdef, state)
-        row = chunk.pop("row")
-        (logits, chunk_logits), pages = model.forward_paged([decode, chunk], pages)
-        logits = logits.at[row].set(chunk_logits[0])
-        return pages, _pack(_sample(logits, params, keys, generated, seen, logprobs))[None]
-
-    def _run_decode(
-        self, state, pages, decode, params, keys, generated, seen, logprobs, steps, stops
-    ):
-        # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
-        # samples one of its `stops` [rows, vocab]: the engine's thread (and the GIL) comes
-        # back once for all of them.
-        model = nnx.merge(self._graphdef, state)
-        rows = decode["input_ids"].shape[0]
-        live = decode["positions"][:, 0] >= 0
-        # Steps not run keep token -1 (`_unpack`).
-        out = jnp.full((self.decode_steps, rows, _PACKED), -1, jnp.int32)
-
-        def step(carry):
-            i, pages, ids, positions, generated, seen, out, _ = carry
-            group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
-            (logits,), pages = model.forward_paged([group], pages)
-            sampled = _sample(logits, params, keys, generated, seen, logprobs)
-            token = sampled[0]
-            out = out.at[i].set(_pack(sampled))
-            stopped = jnp.any(live & stops[jnp.arange(rows), token])
-            positions = jnp.where(live, positions + 1, -1)
-            seen = seen.at[jnp.arange(rows), token].set(True)
-            return i + 1, pages, token, positions, generated + 1, seen, out, stopped
-
-        carry = (
-            jnp.int32(0),
-            pages,
-            decode["input_ids"][:, 0],
-            decode["positions"][:, 0],
-            generated,
-            seen,
-        )
-        carry = jax.lax.while_loop(
-            lambda c: (c[0] < steps) & ~c[-1], step, (*carry, out, jnp.bool_(False))
-        )
-        return carry[1], carry[6]
-
-    def _inputs(self, batch: Batch) -> tuple[int, tuple]:
-        rows, per_seq = self.max_num_seqs, self.pages_per_seq
-        seen = self._unseen
-        want_logprobs = False
-        decode = dict(
-            input_ids=np.zeros((rows, 1), np.int32),
-            positions=np.full((rows, 1), -1, np.int32),
-            table=np.zeros((rows, per_seq), np.int32),
-            last=np.zeros((rows,), np.int32),
-        )
-        chunk, width = None, 0
-        params = {
-            n: np.zeros((rows,), _SAMPLING_DTYPES.get(n, np.float32)) for n in SAMPLING_FIELDS
-        }
-        params["top_p"][:] = 1.0
-        keys = np.zeros((rows, 2), np.uint32)
-        generated = np.zeros((rows,), np.int32)
-        for c in batch.chunks:
-            seq, n, r = c.seq, len(c.tokens), c.seq.slot
-            if n == 1:
-                decode["input_ids"][r, 0] = c.tokens[0]
-                decode["positions"][r, 0] = c.start
-                decode["table"][r, : len(seq.pages)] = seq.pages
-            else:
-                width = next(w for w in self.buckets if w >= n)
-                chunk = dict(
-                    input_ids=np.zeros((1, width), np.int32),
-                    positions=np.full((1, width), -1, np.int32),
-                    table=np.zeros((1, per_seq), np.int32),
-                    last=np.array([n - 1], np.int32),
-                    row=np.int32(r),
-                )
-                chunk["input_ids"][0, :n] = c.tokens
-                chunk["positions"][0, :n] = np.arange(c.start, c.start + n)
-                chunk["table"][0, : len(seq.pages)] = seq.pages
-            req = self._handles[seq.id]._req
-            for name in SAMPLING_FIELDS:
-                params[name][r] = req.sampling[name][0]
-            # The key of a one-prompt `generate`'s only row.
-            keys[r] = (req.seed & 0xFFFFFFFF, 0)
-            generated[r] = len(seq.output)
-            if c.sample and params["repetition_penalty"][r] != 1.0:
-                # The prompt and every token generated so far, as `generate` penalizes them;
-                # steps without a penalty share one all-false mask.
-                if seen is self._unseen:
-                    seen = np.zeros_like(self._unseen)
-                seen[r, seq.tokens] = True
-            want_logprobs |= c.sample and self._handles[seq.id].logprobs is not None
-        rest = (params, keys, generated, seen, np.bool_(want_logprobs))
-        if chunk is not None:
-            return width, (decode, chunk, *rest)
-        stops = np.zeros((rows, self.model.config.vocab_size), bool)
-        for c in batch.chunks:
-            stops[c.seq.slot, sorted(self._handles[c.seq.id]._req.stop_ids)] = True
-        return 0, (decode, *rest, np.int32(batch.steps), stops)
+        return self._steps.compile(self._state, jax.eval_shape(lambda: self._zeros(num_pages)))
 
     def _loop(self) -> None:
         while True:
@@ -474,18 +347,18 @@ class LLMEngine:
                 batch = self.scheduler.schedule(self.decode_steps)
                 if not batch.chunks:
                     continue
-                width, inputs = self._inputs(batch)
+                requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
+                logprobs = {i for i in requests if self._handles[i].logprobs is not None}
+                width, inputs = self._steps.inputs(batch, requests, logprobs)
                 rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
             try:
-                self.pages, out = self.compiled[width](self._state, self.pages, *inputs)
-                # One array, so the thread gives up the GIL once to wait for the step.
+                self.pages, out = self.compiled[width](self._state, self.pages, inputs)
                 out = np.asarray(out)
                 self.calls += 1
                 with self._wake:
-                    for step in _unpack(out):
-                        tokens = step[0]
+                    for tokens, *logprobs in step.unpack(out):
                         sampled = {i: int(tokens[r]) for i, r in rows.items()}
-                        self._record(batch, sampled, step[1:], rows)
+                        self._record(batch, sampled, logprobs, rows)
                         batch = self.scheduler.next_steps(batch)
                         rows = {c.seq.id: c.seq.slot for c in batch.chunks}
             except BaseException as error:  # the engine cannot go on: fail every request
@@ -657,66 +530,3 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _sample(logits, params, keys, generated, seen, logprobs):
-    """Each row's next token, and with `logprobs`, its log-probabilities (else zeros)."""
-    penalty = params["repetition_penalty"]
-    penalized = jax.lax.cond(
-        jnp.any(penalty != 1.0),
-        lambda x: sampling.penalize_seen(x, seen, penalty),
-        lambda x: x,
-        logits,
-    )
-    # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
-    keys = jax.vmap(jax.random.fold_in)(keys, generated)
-    token = sampling.sample(
-        penalized, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
-    )
-    return token, *jax.lax.cond(logprobs, _logprobs, _no_logprobs, logits, token)
-
-
-# A step's output per row, packed in one int32 array: the token, its log-probability, the ids
-# of the `TOP_LOGPROBS` most likely tokens and their log-probabilities (floats as bits).
-_PACKED = 2 + 2 * TOP_LOGPROBS
-
-
-def _pack(sampled) -> jax.Array:
-    token, chosen, ids, top = sampled
-    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return jnp.concatenate([token[:, None], bits(chosen)[:, None], ids, bits(top)], axis=1)
-
-
-def _unpack(out: np.ndarray):
-    """The steps a call ran, each `(tokens, logprobs, top ids, top logprobs)` per row."""
-    for step in out[out[:, 0, 0] >= 0]:
-        ids = step[:, 2 : 2 + TOP_LOGPROBS]
-        top = step[:, 2 + TOP_LOGPROBS :].view(np.float32)
-        yield step[:, 0], step[:, 1].view(np.float32), ids, top
-
-
-def _logprobs(logits, token):
-    """Each row's log-probability of `token` and its `TOP_LOGPROBS` most likely tokens, from the
-    model's own distribution (before any penalty, temperature or filter), as OpenAI reports them."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    top, ids = jax.lax.top_k(logp, TOP_LOGPROBS)
-    return chosen, ids, top
-
-
-def _no_logprobs(logits, token):
-    rows = logits.shape[0]
-    return (
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, TOP_LOGPROBS), jnp.int32),
-        jnp.zeros((rows, TOP_LOGPROBS), jnp.float32),
-    )
-
-
-def _buckets(max_tokens: int) -> tuple[int, ...]:
-    """The widths of a step's prompt chunk: 16, 32, 64, ... up to `max_tokens`."""
-    widths, width = [], 16
-    while width < max_tokens:
-        widths.append(width)
-        width *= 2
-    return (*widths, max_tokens)

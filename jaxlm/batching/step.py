@@ -1,0 +1,284 @@
+"""The engine's jitted steps over the paged KV cache, and what they take from the host and give
+back.
+
+A step runs one token of each of its rows and, in steps that have one, a chunk of one
+sequence's prompt padded to one of a few widths, samples the next token of every row that has
+reached its end, and returns the pages updated in place. A step of decode tokens alone (width
+0) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens it sampled.
+
+A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
+int32 array: each array a call takes from the host or gives back makes the calling thread give
+up the GIL and wait to take it again, for up to the switch interval when another thread holds
+it (`docs/performance.md`, "Continuous batching").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm import sampling
+from jaxlm.batching.scheduler import Batch
+from jaxlm.engine import SAMPLING_FIELDS
+from jaxlm.requests import Request
+
+_SAMPLING_DTYPES = {"top_k": np.int32}
+# The most alternatives a request can ask log-probabilities of, as OpenAI allows.
+TOP_LOGPROBS = 20
+# A step's output per row, packed in one int32 array: the token, its log-probability, the ids
+# of the `TOP_LOGPROBS` most likely tokens and their log-probabilities (floats as bits).
+_PACKED = 2 + 2 * TOP_LOGPROBS
+
+
+class HostPack:
+    """A pytree of arrays of fixed shapes as one byte buffer: `pack` it on the host, `unpack` it
+    inside the jitted function that takes `spec`."""
+
+    def __init__(self, tree):
+        leaves, self._treedef = jax.tree.flatten(tree)
+        self._fields, offset = [], 0
+        for leaf in leaves:
+            dtype = np.dtype(leaf.dtype)
+            self._fields.append((offset, leaf.shape, dtype))
+            # Each field starts on 4 bytes, so that it bitcasts from an aligned slice.
+            offset += -(-math.prod(leaf.shape) * dtype.itemsize // 4) * 4
+        self.spec = jax.ShapeDtypeStruct((offset,), jnp.uint8)
+
+    def pack(self, tree) -> np.ndarray:
+        buf = np.zeros(self.spec.shape, np.uint8)
+        leaves = jax.tree.leaves(tree)
+        for (offset, shape, dtype), leaf in zip(self._fields, leaves, strict=True):
+            data = np.asarray(leaf, dtype)
+            if data.shape != shape:
+                raise ValueError(f"a field of shape {shape} got an array of {data.shape}")
+            data = data.reshape(-1).view(np.uint8)
+            buf[offset : offset + data.size] = data
+        return buf
+
+    def unpack(self, buf: jax.Array):
+        leaves = []
+        for offset, shape, dtype in self._fields:
+            data = buf[offset : offset + math.prod(shape) * dtype.itemsize]
+            if dtype == np.bool_:
+                data = data != 0
+            elif dtype.itemsize > 1:
+                data = jax.lax.bitcast_convert_type(data.reshape(-1, dtype.itemsize), dtype)
+            else:
+                data = jax.lax.bitcast_convert_type(data, dtype)
+            leaves.append(data.reshape(shape))
+        return self._treedef.unflatten(leaves)
+
+
+class Steps:
+    """The steps of an engine of `rows` sequences, by prompt chunk width (`0`: decode tokens
+    alone): their input layouts, compiled executables, inputs and outputs."""
+
+    def __init__(self, graphdef, *, rows, pages_per_seq, vocab_size, buckets, decode_steps):
+        self._graphdef = graphdef
+        self.rows, self.pages_per_seq, self.vocab_size = rows, pages_per_seq, vocab_size
+        self.buckets, self.decode_steps = buckets, decode_steps
+        self.layouts = {w: HostPack(self._spec(w)) for w in (0, *buckets)}
+        self._unseen = np.zeros((rows, vocab_size), bool)
+
+    def _spec(self, width: int) -> dict:
+        sds = jax.ShapeDtypeStruct
+        rows, vocab = self.rows, self.vocab_size
+
+        def tokens(r, c):
+            return dict(
+                input_ids=sds((r, c), jnp.int32),
+                positions=sds((r, c), jnp.int32),
+                table=sds((r, self.pages_per_seq), jnp.int32),
+                last=sds((r,), jnp.int32),
+            )
+
+        spec = dict(
+            decode=tokens(rows, 1),
+            params={n: sds((rows,), _SAMPLING_DTYPES.get(n, jnp.float32)) for n in SAMPLING_FIELDS},
+            keys=sds((rows, 2), jnp.uint32),
+            generated=sds((rows,), jnp.int32),
+            seen=sds((rows, vocab), jnp.bool_),
+            logprobs=sds((), jnp.bool_),
+        )
+        if width:
+            spec["chunk"] = {**tokens(1, width), "row": sds((), jnp.int32)}
+        else:
+            spec["steps"] = sds((), jnp.int32)
+            spec["stops"] = sds((rows, vocab), jnp.bool_)
+        return spec
+
+    def compile(self, state, pages) -> dict:
+        """Each width's step, compiled for the model's `state` and the `pages` (shapes will do);
+        it takes `(state, pages, buffer)`, donates the pages and returns `(pages, out)`."""
+        out = {}
+        for width, layout in self.layouts.items():
+            run = functools.partial(self._run_decode if width == 0 else self._run, layout)
+            fn = jax.jit(run, donate_argnums=1)
+            out[width] = fn.lower(state, pages, layout.spec).compile()
+        return out
+
+    # The steps.
+
+    def _run(self, layout, state, pages, buf):
+        # One token of each row and a prompt chunk of one row, as two groups of their own
+        # widths: padding every row to the chunk's width would multiply the work of a step by
+        # its rows.
+        x = layout.unpack(buf)
+        model = nnx.merge(self._graphdef, state)
+        row = x["chunk"].pop("row")
+        (logits, chunk_logits), pages = model.forward_paged([x["decode"], x["chunk"]], pages)
+        logits = logits.at[row].set(chunk_logits[0])
+        return pages, _pack(_sample(logits, x, x["generated"], x["seen"]))[None]
+
+    def _run_decode(self, layout, state, pages, buf):
+        # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
+        # samples one of its `stops` [rows, vocab].
+        x = layout.unpack(buf)
+        model = nnx.merge(self._graphdef, state)
+        decode, stops, rows = x["decode"], x["stops"], self.rows
+        live = decode["positions"][:, 0] >= 0
+        # Steps not run keep token -1 (`unpack`).
+        out = jnp.full((self.decode_steps, rows, _PACKED), -1, jnp.int32)
+
+        def step(carry):
+            i, pages, ids, positions, generated, seen, out, _ = carry
+            group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
+            (logits,), pages = model.forward_paged([group], pages)
+            sampled = _sample(logits, x, generated, seen)
+            token = sampled[0]
+            out = out.at[i].set(_pack(sampled))
+            stopped = jnp.any(live & stops[jnp.arange(rows), token])
+            positions = jnp.where(live, positions + 1, -1)
+            seen = seen.at[jnp.arange(rows), token].set(True)
+            return i + 1, pages, token, positions, generated + 1, seen, out, stopped
+
+        ids, positions = decode["input_ids"][:, 0], decode["positions"][:, 0]
+        carry = (jnp.int32(0), pages, ids, positions, x["generated"], x["seen"], out, jnp.bool_(0))
+        carry = jax.lax.while_loop(lambda c: (c[0] < x["steps"]) & ~c[-1], step, carry)
+        return carry[1], carry[6]
+
+    # The host's side.
+
+    def inputs(self, batch: Batch, requests: Mapping[int, Request], logprobs: set[int]):
+        """The width of `batch`'s step and its inputs packed, given each sequence's `Request`
+        by id and the ids that want log-probabilities."""
+        rows, per_seq = self.rows, self.pages_per_seq
+        seen = self._unseen
+        decode = dict(
+            input_ids=np.zeros((rows, 1), np.int32),
+            positions=np.full((rows, 1), -1, np.int32),
+            table=np.zeros((rows, per_seq), np.int32),
+            last=np.zeros((rows,), np.int32),
+        )
+        chunk, width = None, 0
+        params = {
+            n: np.zeros((rows,), _SAMPLING_DTYPES.get(n, np.float32)) for n in SAMPLING_FIELDS
+        }
+        params["top_p"][:] = 1.0
+        keys = np.zeros((rows, 2), np.uint32)
+        generated = np.zeros((rows,), np.int32)
+        for c in batch.chunks:
+            seq, n, r = c.seq, len(c.tokens), c.seq.slot
+            if n == 1:
+                decode["input_ids"][r, 0] = c.tokens[0]
+                decode["positions"][r, 0] = c.start
+                decode["table"][r, : len(seq.pages)] = seq.pages
+            else:
+                width = next(w for w in self.buckets if w >= n)
+                chunk = dict(
+                    input_ids=np.zeros((1, width), np.int32),
+                    positions=np.full((1, width), -1, np.int32),
+                    table=np.zeros((1, per_seq), np.int32),
+                    last=np.array([n - 1], np.int32),
+                    row=np.int32(r),
+                )
+                chunk["input_ids"][0, :n] = c.tokens
+                chunk["positions"][0, :n] = np.arange(c.start, c.start + n)
+                chunk["table"][0, : len(seq.pages)] = seq.pages
+            req = requests[seq.id]
+            for name in SAMPLING_FIELDS:
+                params[name][r] = req.sampling[name][0]
+            # The key of a one-prompt `generate`'s only row.
+            keys[r] = (req.seed & 0xFFFFFFFF, 0)
+            generated[r] = len(seq.output)
+            if c.sample and params["repetition_penalty"][r] != 1.0:
+                # The prompt and every token generated so far, as `generate` penalizes them.
+                if seen is self._unseen:
+                    seen = np.zeros_like(self._unseen)
+                seen[r, seq.tokens] = True
+        want = any(c.sample and c.seq.id in logprobs for c in batch.chunks)
+        x = dict(decode=decode, params=params, keys=keys, generated=generated, seen=seen)
+        x["logprobs"] = np.bool_(want)
+        if chunk is not None:
+            x["chunk"] = chunk
+        else:
+            x["steps"] = np.int32(batch.steps)
+            x["stops"] = np.zeros((rows, self.vocab_size), bool)
+            for c in batch.chunks:
+                x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
+        return width, self.layouts[width].pack(x)
+
+
+def unpack(out: np.ndarray):
+    """The steps a call ran, each `(tokens, logprobs, top ids, top logprobs)` per row."""
+    for step in out[out[:, 0, 0] >= 0]:
+        ids = step[:, 2 : 2 + TOP_LOGPROBS]
+        top = step[:, 2 + TOP_LOGPROBS :].view(np.float32)
+        yield step[:, 0], step[:, 1].view(np.float32), ids, top
+
+
+def buckets(max_tokens: int) -> tuple[int, ...]:
+    """The widths of a step's prompt chunk: 16, 32, 64, ... up to `max_tokens`."""
+    widths, width = [], 16
+    while width < max_tokens:
+        widths.append(width)
+        width *= 2
+    return (*widths, max_tokens)
+
+
+def _sample(logits, x, generated, seen):
+    """Each row's next token, and with `x["logprobs"]`, its log-probabilities (else zeros)."""
+    params = x["params"]
+    penalty = params["repetition_penalty"]
+    penalized = jax.lax.cond(
+        jnp.any(penalty != 1.0),
+        lambda v: sampling.penalize_seen(v, seen, penalty),
+        lambda v: v,
+        logits,
+    )
+    # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
+    keys = jax.vmap(jax.random.fold_in)(x["keys"], generated)
+    token = sampling.sample(
+        penalized, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
+    )
+    return token, *jax.lax.cond(x["logprobs"], _logprobs, _no_logprobs, logits, token)
+
+
+def _pack(sampled) -> jax.Array:
+    token, chosen, ids, top = sampled
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([token[:, None], bits(chosen)[:, None], ids, bits(top)], axis=1)
+
+
+def _logprobs(logits, token):
+    """Each row's log-probability of `token` and its `TOP_LOGPROBS` most likely tokens, from the
+    model's own distribution (before any penalty, temperature or filter), as OpenAI reports them."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    return chosen, ids, top
+
+
+def _no_logprobs(logits, token):
+    rows = logits.shape[0]
+    return (
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((rows, TOP_LOGPROBS), jnp.float32),
+    )
