@@ -230,7 +230,8 @@ def _serve(args) -> None:
         num_pages = 1 + args.max_num_seqs * -(-max_seq_len // args.page_size)
     name = args.served_model_name or Path(args.model or default_model_path()).stem
     # The event loop's thread holds the GIL between requests' events; the engine's thread,
-    # back from XLA, waits up to the switch interval for it (`docs/performance.md`, "GIL").
+    # back from XLA, waits up to the switch interval for it (`docs/performance.md`, "The
+    # engine's thread and the GIL").
     sys.setswitchinterval(SERVE_SWITCH_INTERVAL)
     print(f"jaxlm serve: compiling the steps of `{name}`...", file=sys.stderr)
     engine = jaxlm.LLMEngine(

@@ -9,7 +9,7 @@ reached its end, and returns the pages updated in place. A step of decode tokens
 A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
 int32 array: each array a call takes from the host or gives back makes the calling thread give
 up the GIL and wait to take it again, for up to the switch interval when another thread holds
-it (`docs/performance.md`, "Continuous batching").
+it (`docs/performance.md`, "The engine's thread and the GIL").
 """
 
 from __future__ import annotations
