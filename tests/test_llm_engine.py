@@ -15,6 +15,7 @@ import pytest
 
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
+from jaxlm.batching.step import HostPack
 from jaxlm.memory import ExecutableMemory
 
 
@@ -172,6 +173,28 @@ def test_bad_requests_and_a_budget(tiny):
             engine.submit([[1, 2], [3]], max_new_tokens=4)
     with pytest.raises(ValueError, match="give one of `num_pages` and `budget`"):
         LLMEngine(tiny)
+    for steps in (0, 1.5):
+        with pytest.raises(ValueError, match="`decode_steps` must be a positive integer"):
+            LLMEngine(tiny, num_pages=8, decode_steps=steps)
+
+
+def test_a_host_pack_round_trips_every_dtype_through_a_jit():
+    # Each field against the NumPy array it came from, odd sizes included (fields pad to 4).
+    rng = np.random.default_rng(0)
+    tree = dict(
+        a=rng.integers(-(2**31), 2**31 - 1, (3, 5), dtype=np.int32),
+        b=dict(c=rng.random(7).astype(np.float32), d=rng.random((2, 3)) > 0.5),
+        e=np.uint32(4_000_000_000),
+        f=np.bool_(True),
+        g=rng.integers(0, 2**32, (4, 2), dtype=np.uint32),
+    )
+    pack = HostPack(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree))
+    back = jax.jit(pack.unpack)(pack.pack(tree))
+    for want, got in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
+        assert got.dtype == want.dtype and got.shape == np.shape(want)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match=r"shape \(3, 5\)"):
+        pack.pack({**tree, "a": np.zeros((5, 3), np.int32)})
 
 
 def test_every_step_updates_the_pages_in_place(tiny):
