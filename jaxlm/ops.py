@@ -483,6 +483,11 @@ def attend(
 FILLED_BUCKET = 256
 
 
+def _smaller_buckets(total: int, first: int) -> list[int]:
+    # `first` doubling, below `total`.
+    return [n for n in (first << i for i in range(total.bit_length())) if n < total]
+
+
 def attend_cached(q, k_cache, v_cache, mask, end, **options):
     """`attend` over the caches as stored, reading only their first slots: the smallest of
     their sizes (256 slots doubling up to the whole cache, and a chunk of several tokens' own
@@ -493,7 +498,7 @@ def attend_cached(q, k_cache, v_cache, mask, end, **options):
     plan (see `docs/performance.md`, "Attention over the filled slots").
     """
     seq, t = k_cache.shape[-1], q.shape[-1]
-    sizes = [s for s in (FILLED_BUCKET << i for i in range(seq.bit_length())) if s < seq]
+    sizes = _smaller_buckets(seq, FILLED_BUCKET)
     if 1 < t < (sizes or [seq])[0]:
         # The first chunk of a prompt fills only its own slots.
         sizes.insert(0, t)
@@ -510,3 +515,26 @@ def attend_cached(q, k_cache, v_cache, mask, end, **options):
     index = jnp.searchsorted(jnp.asarray(sizes), end)
     branches = [functools.partial(branch, size) for size in sizes]
     return jax.lax.switch(index, branches, q, k_cache, v_cache, mask)
+
+
+def attend_paged(q, cache, table, mask, end, **options):
+    """`attend` over the pages that `table` `[R, pages_per_seq]` lists, reading only the first
+    of them: the fewest (those holding 256 slots, doubling up to the whole row) that hold the
+    `end` slots in use, as `attend_cached` reads a contiguous cache.
+
+    A plan sized for long requests (`jaxlm serve` allows 4096 tokens) would otherwise gather
+    every page of every row at each step (see `docs/performance.md`, "Attention over the
+    filled slots").
+    """
+    per_seq, size = table.shape[1], cache["k_pages"].shape[-1]
+    counts = [*_smaller_buckets(per_seq, -(-FILLED_BUCKET // size)), per_seq]
+
+    def branch(count, q, cache, table, mask):
+        k, v = gather_pages(cache, table[:, :count])
+        return attend(q, k, v, mask[..., : count * size], **options)
+
+    if len(counts) == 1:
+        return branch(per_seq, q, cache, table, mask)
+    index = jnp.searchsorted(jnp.asarray(counts) * size, end)
+    branches = [functools.partial(branch, count) for count in counts]
+    return jax.lax.switch(index, branches, q, cache, table, mask)

@@ -180,6 +180,17 @@ def rewrite_config(path: Path, **changes) -> None:
     file.write_text(json.dumps(config))
 
 
+@pytest.fixture
+def small_buckets(monkeypatch):
+    """Attention reads the filled part of a cache in buckets of 8 slots doubling, not 256, so
+    that tiny models switch among them. Traces made with either size are dropped on the way in
+    and out, since `jax.jit` keys them by shapes, not by this module constant."""
+    jax.clear_caches()
+    monkeypatch.setattr("jaxlm.ops.FILLED_BUCKET", 8)
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A saved tiny Llama (GQA 4:1) directory and its transformers model."""

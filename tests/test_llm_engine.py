@@ -81,7 +81,7 @@ def test_requests_from_threads_equal_their_solo_runs_and_compile_nothing(tiny):
         assert e.pool.num_available == e.pool.num_usable
 
 
-def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny):
+def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny, small_buckets):
     reqs = requests(1, 6, tiny.config.vocab_size)
     kw = dict(temperature=0.9, top_p=0.9, seed=7)
     expected = [solo(tiny, p, n, **kw) for p, n in reqs]
@@ -90,7 +90,7 @@ def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny):
     assert [r.token_ids for r in results] == expected
 
 
-def test_too_few_pages_preempt_and_every_output_stays_exact(tiny):
+def test_too_few_pages_preempt_and_every_output_stays_exact(tiny, small_buckets):
     reqs = [(p, 32) for p, _ in requests(2, 6, tiny.config.vocab_size)]
     expected = [solo(tiny, p, n) for p, n in reqs]
     # 32 usable pages of 4 slots: three sequences of up to 122 tokens cannot all grow.
@@ -197,7 +197,7 @@ def test_a_host_pack_round_trips_every_dtype_through_a_jit():
         pack.pack({**tree, "a": np.zeros((5, 3), np.int32)})
 
 
-def test_every_step_updates_the_pages_in_place(tiny):
+def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
     with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=400) as engine:
         k_shape = engine.pages["layers"][0]["self_attn"]["k_pages"].shape
         shape = "f32[" + ",".join(map(str, k_shape)) + "]"

@@ -17,6 +17,9 @@ from test_families import family as family
 import jaxlm
 from jaxlm import ops
 
+# Tables of 5 pages of 4 slots: attention reads 2, 4 or 5 of them as the rows fill.
+pytestmark = pytest.mark.usefixtures("small_buckets")
+
 PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 5, 24
 LENGTHS = [13, 7, 17]
 # Each call's tokens per row: rows prefill in chunks, decode one token, or sit out (0).

@@ -108,14 +108,14 @@ class Attention(nnx.Module):
         return self.o_proj(out), cache
 
     def forward_paged(self, groups, cache):
-        # Each group: (x, cos, sin, mask, slots, table). Their keys and values are written in
-        # one update of the pages, then each group attends over its rows' pages.
+        # Each group: (x, cos, sin, mask, slots, table, end). Their keys and values are written
+        # in one update of the pages, then each group attends over its rows' first `end` slots.
         projected = [self._project(x, cos, sin) for x, cos, sin, *_ in groups]
         writes = [(k, v, g[4]) for (_, k, v), g in zip(projected, groups, strict=True)]
         cache = ops.write_paged(cache, writes)
         options = self._attend_options()
         outs = [
-            self.o_proj(ops.attend(q, *ops.gather_pages(cache, g[5]), g[3], **options))
+            self.o_proj(ops.attend_paged(q, cache, g[5], g[3], g[6], **options))
             for (q, _, _), g in zip(projected, groups, strict=True)
         ]
         return outs, cache
@@ -158,7 +158,8 @@ class DecoderLayer(nnx.Module):
         return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
 
     def forward_paged(self, xs, groups, cache):
-        # `xs`: each group's activations; `groups`: each group's (cos, sin, mask, slots, table).
+        # `xs`: each group's activations; `groups`: each group's (cos, sin, mask, slots, table,
+        # end).
         inputs = [(self._attention_input(x), *g) for x, g in zip(xs, groups, strict=True)]
         hs, attn = self.self_attn.forward_paged(inputs, cache["self_attn"])
         outs = [
@@ -295,10 +296,11 @@ class LlamaModel(nnx.Module):
             slots = jnp.where(positions >= 0, page * size + at % size, 0)
             length = per_seq * size
             k_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+            end = jnp.max(positions) + 1
             rope = functools.partial(self._rope_once, positions=positions)
             inputs = self._layer_inputs(positions, k_pos, jnp.ones(k_pos.shape, bool), rope)
             for i, layer_inputs in enumerate(inputs):
-                per_layer[i].append((*layer_inputs, slots, table))
+                per_layer[i].append((*layer_inputs, slots, table, end))
         xs, layers = [self._embed(ids) for ids, _, _ in groups], {}
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
