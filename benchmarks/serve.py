@@ -16,7 +16,7 @@ as token-id lists where the server takes them (else as the tokenizer's text), an
 are a client's: TTFT from sending to the first chunk with a token, ITL the gaps between chunks.
 
 Usage: python benchmarks/serve.py [--model PATH] [--requests 32] [--rate 4] [--max-num-seqs 8]
-    [--prompt-len 16,128] [--output-len 16,128] [--json PATH]
+    [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--json PATH]
     [--url http://127.0.0.1:8000/v1] [--vs llama.cpp [--llama-server PATH]]
 """
 
@@ -153,7 +153,7 @@ def run_local(args, requests) -> dict:
     with jaxlm.LLMEngine(
         model,
         max_num_seqs=args.max_num_seqs,
-        max_seq_len=longest,
+        max_seq_len=args.max_seq_len or longest,
         page_size=args.page_size,
         num_pages=pages,
     ) as engine:
@@ -273,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=_pair, default=(16, 128))
     p.add_argument("--output-len", type=_pair, default=(16, 128))
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="the engine's longest request (default: the longest of the workload; the pages "
+        "are sized to the workload either way)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     p.add_argument("--url", default=None, help="an OpenAI-compatible server's base URL (.../v1)")
     p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
