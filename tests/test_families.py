@@ -219,13 +219,20 @@ def write_family_gguf(path, name, hf):
         if key.endswith("norm.weight"):
             w = w + np.float32(spec.get("gguf_norm_shift", 0.0))
         tensors.append((names.get_name(key, try_suffixes=(".weight", ".bias")), w, None))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     metadata = spec.get("gguf_metadata")
+    hook = None if metadata is None else lambda writer: metadata(writer, config)
+    return write_config_gguf(path, spec["arch"], tensors, hook, config)
+
+
+def write_config_gguf(path, arch, tensors, metadata, config):
+    """`tensors` as a GGUF file of architecture `arch` with the settings of a transformers
+    `config`; `metadata(writer)`, if given, adds the family's own keys."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return write_gguf(
         path,
-        gguf.MODEL_ARCH_NAMES[spec["arch"]],
+        gguf.MODEL_ARCH_NAMES[arch],
         tensors,
-        None if metadata is None else lambda writer: metadata(writer, config),
+        metadata,
         layers=config.num_hidden_layers,
         ctx=config.max_position_embeddings,
         hidden=config.hidden_size,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import hf_logits, padded_batch
+from conftest import BASE, hf_logits, padded_batch
 from flax import nnx
 from test_gguf import TINY, random_blocks, tiny_llama_tensors, write_gguf
 
@@ -250,13 +250,8 @@ def test_bad_quantize_arguments(tiny_llama):
 def test_experts_are_refused_rather_than_left_in_float():
     config = jaxlm.ModelConfig.from_hf_config(
         dict(
+            BASE,
             model_type="qwen3_moe",
-            vocab_size=96,
-            hidden_size=64,
-            intermediate_size=112,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=2,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,

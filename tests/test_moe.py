@@ -17,8 +17,7 @@ import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file
-from test_families import TINY, assert_parity, assert_same_greedy_tokens
-from test_gguf import write_gguf
+from test_families import TINY, assert_parity, assert_same_greedy_tokens, write_config_gguf
 
 import jaxlm
 from jaxlm import ModelConfig
@@ -196,23 +195,7 @@ def write_moe_gguf(path, name, hf):
         if arch == gguf.MODEL_ARCH.QWEN3MOE:
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return write_gguf(
-        path,
-        gguf.MODEL_ARCH_NAMES[arch],
-        tensors,
-        metadata,
-        layers=config.num_hidden_layers,
-        ctx=config.max_position_embeddings,
-        hidden=config.hidden_size,
-        inter=config.intermediate_size,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        eps=config.rms_norm_eps,
-        theta=config.rope_parameters["rope_theta"],
-        vocab=config.vocab_size,
-        head_dim=None if head_dim == config.hidden_size // config.num_attention_heads else head_dim,
-    )
+    return write_config_gguf(path, arch, tensors, metadata, config)
 
 
 def test_gguf_equals_transformers(moe, tmp_path):
