@@ -488,6 +488,16 @@ def _smaller_buckets(total: int, first: int) -> list[int]:
     return [n for n in (first << i for i in range(total.bit_length())) if n < total]
 
 
+def _smallest_that_holds(end, sizes, unit, branch, *operands):
+    # `branch(size, *operands)` for the smallest of `sizes` whose `size * unit` slots hold the
+    # first `end`, picked at run time.
+    if len(sizes) == 1:
+        return branch(sizes[0], *operands)
+    index = jnp.searchsorted(jnp.asarray(sizes) * unit, end)
+    branches = [functools.partial(branch, size) for size in sizes]
+    return jax.lax.switch(index, branches, *operands)
+
+
 def attend_cached(q, k_cache, v_cache, mask, end, **options):
     """`attend` over the caches as stored, reading only their first slots: the smallest of
     their sizes (256 slots doubling up to the whole cache, and a chunk of several tokens' own
@@ -502,9 +512,6 @@ def attend_cached(q, k_cache, v_cache, mask, end, **options):
     if 1 < t < (sizes or [seq])[0]:
         # The first chunk of a prompt fills only its own slots.
         sizes.insert(0, t)
-    if not sizes:
-        return attend(q, read_cache(k_cache), read_cache(v_cache), mask, **options)
-    sizes.append(seq)
 
     def branch(size, q, k, v, mask):
         # The caches enter in their storage dtype and are read inside the branch: bfloat16
@@ -512,9 +519,7 @@ def attend_cached(q, k_cache, v_cache, mask, end, **options):
         k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
         return attend(q, k, v, mask[..., :size], **options)
 
-    index = jnp.searchsorted(jnp.asarray(sizes), end)
-    branches = [functools.partial(branch, size) for size in sizes]
-    return jax.lax.switch(index, branches, q, k_cache, v_cache, mask)
+    return _smallest_that_holds(end, [*sizes, seq], 1, branch, q, k_cache, v_cache, mask)
 
 
 def attend_paged(q, cache, table, mask, end, **options):
@@ -533,8 +538,4 @@ def attend_paged(q, cache, table, mask, end, **options):
         k, v = gather_pages(cache, table[:, :count])
         return attend(q, k, v, mask[..., : count * size], **options)
 
-    if len(counts) == 1:
-        return branch(per_seq, q, cache, table, mask)
-    index = jnp.searchsorted(jnp.asarray(counts) * size, end)
-    branches = [functools.partial(branch, count) for count in counts]
-    return jax.lax.switch(index, branches, q, cache, table, mask)
+    return _smallest_that_holds(end, counts, size, branch, q, cache, table, mask)
