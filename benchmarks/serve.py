@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
     p.add_argument("--llama-server", default=None, help="llama.cpp's server binary")
     args = p.parse_args(argv)
+    longest = args.prompt_len[1] + args.output_len[1]
+    if args.max_seq_len is not None and args.max_seq_len < longest:
+        p.error(f"`--max-seq-len` {args.max_seq_len} is below the workload's longest, {longest}")
     checkpoint = open_checkpoint(args.model or default_model_path())
     vocab = ModelConfig.from_hf_config(checkpoint.config).vocab_size
     requests = workload(args.requests, args.rate, args.prompt_len, args.output_len, vocab)

@@ -217,12 +217,15 @@ def test_int8_quality_rounds_as_numpy_does(tiny_chat, tmp_path):
     assert int8_quality.divergence(same, same) == (0.0, 1.0)
 
 
-def test_serve_benchmark_times_every_request(tiny_tied, tmp_path):
+def test_serve_benchmark_times_every_request(tiny_tied, tmp_path, capsys):
     serve = load_benchmark("serve")
     out = tmp_path / "serve.json"
     argv = ["--model", str(tiny_tied), "--requests", "6", "--rate", "50", "--max-num-seqs", "2"]
     argv += ["--prompt-len", "3,9", "--output-len", "2,5", "--page-size", "4"]
-    assert serve.main([*argv, "--json", str(out)]) == 0
+    with pytest.raises(SystemExit):
+        serve.main([*argv, "--max-seq-len", "13"])
+    assert "`--max-seq-len` 13 is below the workload's longest, 14" in capsys.readouterr().err
+    assert serve.main([*argv, "--max-seq-len", "32", "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"LLMEngine", "static generate"}
     for r in results.values():
