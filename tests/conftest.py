@@ -35,8 +35,47 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 _SIMULATED_DEVICES = "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
 collect_ignore = [] if _SIMULATED_DEVICES else ["multidevice"]
 
-# The project's shared reference data sits beside the repository: `../shared/reference`.
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference"
+ROOT = Path(__file__).resolve().parent.parent
+# llama.cpp's greedy ids and tokenizer ids for the default model (`tests/data/README.md`).
+SMOLLM2_LLAMACPP = json.loads((ROOT / "tests" / "data" / "smollm2_llamacpp.json").read_text())
+
+# The tests carry their own data: every file they open lies in the repository, in a temporary
+# directory, or in what the interpreter and its packages (the default model included) and the
+# operating system install. `opened_outside` is checked once the session ends.
+ALLOWED_ROOTS = tuple(
+    dict.fromkeys(
+        os.path.realpath(p) + os.sep
+        for p in (
+            ROOT,
+            tempfile.gettempdir(),
+            sys.prefix,
+            sys.base_prefix,
+            *("/dev", "/etc", "/lib", "/proc", "/sys", "/usr"),
+        )
+    )
+)
+opened_outside: set[str] = set()
+
+
+def outside_the_allowed_roots(path) -> bool:
+    return not os.path.realpath(path).startswith(ALLOWED_ROOTS)
+
+
+def _audit_open(event: str, args: tuple) -> None:
+    # Called for every `open` of the process: cheap string checks before `realpath`.
+    if event == "open" and isinstance(args[0], str | Path):
+        path = os.path.abspath(args[0])
+        if not path.startswith(ALLOWED_ROOTS) and outside_the_allowed_roots(path):
+            opened_outside.add(path)
+
+
+sys.addaudithook(_audit_open)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_opened_outside_the_repository():
+    yield
+    assert not opened_outside, f"tests opened files outside the repository: {opened_outside}"
 
 BASE = dict(
     vocab_size=96,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,10 +9,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from conftest import REFERENCE_DIR
+from conftest import SMOLLM2_LLAMACPP as REFERENCE
 
 JAXLM = Path(sys.executable).parent / "jaxlm"
-REFERENCE = json.loads((REFERENCE_DIR / "smollm2_llamacpp.json").read_text())
 
 
 @pytest.fixture(scope="module")

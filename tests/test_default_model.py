@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import REFERENCE_DIR, live_executables_after
+from conftest import SMOLLM2_LLAMACPP as REFERENCE
+from conftest import live_executables_after
 
 import jaxlm
-
-REFERENCE = json.loads((REFERENCE_DIR / "smollm2_llamacpp.json").read_text())
 
 
 @pytest.fixture(scope="module")

