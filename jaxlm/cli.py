@@ -72,9 +72,12 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
 def _sampling(args) -> dict:
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    return {name: getattr(args, name) for name in (*names, "seed", "stop")}
+    names = ("max_new_tokens", *SAMPLING_OPTIONS, "seed", "stop")
+    return {name: getattr(args, name) for name in names}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -275,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     commands = {"generate": _generate, "chat": _chat, "plan": _plan, "serve": _serve}
     try:
+        if args.command in ("generate", "chat"):
+            # Refuse a bad value before the model loads, not after.
+            from jaxlm.requests import check_sampling
+
+            check_sampling(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
         if args.command == "bench":
             from jaxlm.bench import run
 

@@ -75,6 +75,13 @@ _CHECKS = {
 }
 
 
+def check_sampling(**values) -> None:
+    """Check sampling parameters by name as `parse_request` does, before any model exists: the
+    command line refuses `--top-p 2` before it loads anything."""
+    for name, value in values.items():
+        _per_row(name, value, 1, *_CHECKS[name])
+
+
 def _prompt_ids(tokenizer, prompts) -> tuple[list[list[int]], bool]:
     if isinstance(prompts, bytes | bytearray) or not isinstance(
         prompts, str | Sequence | np.ndarray

@@ -85,16 +85,39 @@ def test_plan_over_budget(env):
         (("generate", "Hi", "--max-new-tokens", "0"), "--max-new-tokens"),
         (("generate", "Hi", "--temperature", "warm"), "--temperature"),
         (("generate", "Hi", "--top-p", "1.5"), "`top_p`"),
+        (("chat", "--repetition-penalty", "0"), "`repetition_penalty`"),
         (("generate", "Hi", "--dtype", "int4"), "--dtype"),
         (("translate", "Hi"), "invalid choice: 'translate'"),
         ((), "the following arguments are required"),
     ],
 )
-def test_errors_are_one_line_with_exit_code_2(env, args, message):
-    out = run(env, *args)
+def test_errors_are_one_line_with_exit_code_2(monkeypatch, capsys, args, message):
+    # In this process: the arguments are checked before any model loads or anything compiles.
+    import jaxlm
+    from jaxlm import cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the command line loaded a model before checking its arguments")
+
+    if "--model" not in args:
+        monkeypatch.setattr(jaxlm, "load", no_load)
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    stderr = capsys.readouterr().err
+    assert code == 2
+    assert stderr.count("\n") == 1, stderr
+    assert message in stderr
+
+
+def test_the_executable_reports_an_error_in_one_line(env):
+    out = run(env, "generate", "Hi", "--top-p", "1.5")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1, out.stderr
-    assert message in out.stderr
+    assert "`top_p`" in out.stderr
     assert "Traceback" not in out.stderr
 
 
