@@ -195,7 +195,9 @@ class Detokenizer:
     """Text of a growing list of ids, released only when it is final.
 
     Text ending in an incomplete UTF-8 sequence (U+FFFD) or in what could begin a stop string
-    is held back until the next tokens settle it.
+    is held back until the next tokens settle it. Each update looks for a stop string only
+    where it could newly end, in the last `len(stop)` characters before the new text and the
+    new text itself, so that long outputs and long stop strings cost no more per token.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
@@ -203,12 +205,17 @@ class Detokenizer:
         self.stop = stop
         self.sent = 0
         self.finished = False
+        # Characters of the text searched for every stop string already.
+        self.searched = 0
 
     def update(self, ids: list[int], final: bool) -> str:
         if self.finished:
             return ""
         text = self.tokenizer.decode(ids)
-        at = find_stop(text, self.stop)
+        at = self._find(text)
+        # Trailing U+FFFD may become another character once more bytes arrive: search it again.
+        settled = len(text.rstrip("\ufffd"))
+        self.searched = settled
         if at >= 0:
             self.finished = True
             end = at
@@ -216,12 +223,22 @@ class Detokenizer:
             self.finished = True
             end = len(text)
         else:
-            end = len(text.rstrip("\ufffd"))
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end = min(end, len(text[:end]) - k)
-                        break
+            end = min([settled] + [settled - _held(text, settled, s) for s in self.stop])
         piece = text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return piece
+
+    def _find(self, text: str) -> int:
+        hits = [text.find(s, max(0, self.searched - len(s))) for s in self.stop]
+        hits = [i for i in hits if i >= 0]
+        return min(hits) if hits else -1
+
+
+def _held(text: str, end: int, stop: str) -> int:
+    """The length of the longest end of `text[:end]` that begins `stop` without being all of it."""
+    at = max(0, end - len(stop) + 1)
+    while (at := text.find(stop[0], at, end)) >= 0:
+        if stop.startswith(text[at:end]):
+            return end - at
+        at += 1
+    return 0
