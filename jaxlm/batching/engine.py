@@ -14,7 +14,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -463,6 +463,7 @@ class LLMEngine:
         stop: str | Sequence[str] | None = None,
         logprobs: int | None = None,
         on_update: Callable[[], None] | None = None,
+        group: Hashable = None,
     ) -> RequestHandle:
         """Queue one request (a string or token ids); returns its handle at once.
 
@@ -470,7 +471,8 @@ class LLMEngine:
         `ValueError` here, and a full queue `QueueFullError`. `logprobs=k` records each token's
         log-probability and the `k` (at most `TOP_LOGPROBS`) most likely tokens' at its step.
         `on_update` is called from the engine's thread whenever the handle has new deltas or
-        has ended; it must not block."""
+        has ended; it must not block. Requests submitted with one `group` (the choices of one
+        HTTP request) share the batch's slots with other groups as one (see `Scheduler`)."""
         if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
             raise ValueError(
                 f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}"
@@ -496,7 +498,7 @@ class LLMEngine:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            seq = self.scheduler.submit(req.prompts[0], max_new_tokens)
+            seq = self.scheduler.submit(req.prompts[0], max_new_tokens, group)
             handle = RequestHandle(self, seq, req, self.tokenizer, logprobs, on_update)
             self._handles[seq.id] = handle
             self._wake.notify()

@@ -5,11 +5,17 @@ Plain Python over plain data, with no model: the step that computes the tokens r
 
 Each step runs, within `max_num_batched_tokens` tokens, one token of every running sequence
 that is decoding, then chunks of prompts (chunked prefill): those of sequences already
-prefilling, then new ones admitted first come, first served while a slot of the
-`max_num_seqs` rows and pages allow, at most `max_prefill_chunks` of them. A sequence that
-needs a page when none is available preempts the newest running sequence, whose pages are
-freed and which goes back to the front of the queue, to be computed again from its prompt and
-the tokens it had generated.
+prefilling, then new ones admitted while a slot of the `max_num_seqs` rows and pages allow, at
+most `max_prefill_chunks` of them; prompts of one token, which a step runs as decode tokens,
+are admitted beyond that limit. A sequence that needs a page when none is available preempts
+the newest running sequence, whose pages are freed and which goes back to the front of the
+queue, to be computed again from its prompt and the tokens it had generated.
+
+Sequences submitted in one `group` (the choices of one request) share the slots with the
+others: admission takes the waiting sequence whose group runs the fewest (first come, first
+served among equals), and a group that waits with none running, when no slot is free, preempts
+the newest sequence of the group that runs the most, if that group runs several. One request
+of many choices cannot hold every slot while another waits.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from jaxlm.batching.pages import PagePool
 from jaxlm.errors import JaxlmError
@@ -41,6 +47,8 @@ class SequenceState:
     id: int
     prompt: list[int]
     max_new_tokens: int
+    # The request the sequence belongs to, whose sequences share the slots as one.
+    group: Hashable = None
     output: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None
@@ -133,9 +141,11 @@ class Scheduler:
     def max_tokens_per_seq(self) -> int:
         return self.pages_per_seq * self.pool.page_size
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> SequenceState:
-        """Queue a request; raises `ValueError` if it can never fit, `QueueFullError` if the queue
-        holds `max_queue` requests already."""
+    def submit(
+        self, prompt: Sequence[int], max_new_tokens: int, group: Hashable = None
+    ) -> SequenceState:
+        """Queue a request, in `group` (by default one of its own); raises `ValueError` if it can
+        never fit, `QueueFullError` if the queue holds `max_queue` requests already."""
         prompt = list(prompt)
         if not prompt:
             raise ValueError("`prompt` is empty")
@@ -152,7 +162,8 @@ class Scheduler:
             )
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"the queue holds `max_queue={self.max_queue}` requests already")
-        seq = SequenceState(next(self._ids), prompt, max_new_tokens)
+        id = next(self._ids)
+        seq = SequenceState(id, prompt, max_new_tokens, ("seq", id) if group is None else group)
         self.waiting.append(seq)
         return seq
 
@@ -217,6 +228,7 @@ class Scheduler:
         than any of its sequences has left, and only as many as the free pages allow without
         preempting; report each with `update()` and the chunks of `next_steps()`."""
         self._preempted: list[SequenceState] = []
+        self._share_slots()
         chunks: list[Chunk] = []
         decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.id)
         for seq in decoding:
@@ -230,14 +242,15 @@ class Scheduler:
         decodes = len(chunks)
         budget = self.max_num_batched_tokens - decodes
         prefilling = sorted((s for s in self.running if s.prefilling), key=lambda s: s.id)
-        limit = self.max_prefill_chunks
-        while budget > 0 and (limit is None or len(chunks) - decodes < limit):
-            if prefilling:
+        limit, prefills = self.max_prefill_chunks, 0
+        while budget > 0:
+            room = limit is None or prefills < limit
+            if prefilling and room:
                 seq = prefilling.pop(0)
                 if seq.status is not Status.RUNNING:
                     continue
-            elif self.waiting and self._free_slots and self._admit(self.waiting[0], budget):
-                seq = self.waiting.popleft()
+            elif (seq := self._next_waiting(room)) is not None and self._admit(seq, budget):
+                self.waiting.remove(seq)
             else:
                 break
             end = min(len(seq.tokens), seq.num_computed + budget)
@@ -247,9 +260,33 @@ class Scheduler:
             tokens = tuple(seq.tokens[seq.num_computed : end])
             chunks.append(Chunk(seq, seq.num_computed, tokens, end == len(seq.tokens)))
             budget -= len(tokens)
+            prefills += len(tokens) > 1
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
         steps = self._steps(chunks, max_steps) if len(chunks) == decodes else 1
         return Batch(tuple(chunks), tuple(self._preempted), steps)
+
+    def _next_waiting(self, prefill: bool) -> SequenceState | None:
+        """The waiting sequence to admit next, if a slot is free: the first of those whose group
+        runs the fewest sequences; without `prefill`, of those whose prompt is one token."""
+        if not self._free_slots:
+            return None
+        running = collections.Counter(s.group for s in self.running)
+        waiting = (s for s in self.waiting if prefill or len(s.tokens) == 1)
+        return min(waiting, key=lambda s: running[s.group], default=None)
+
+    def _share_slots(self) -> None:
+        """With no slot free, preempt for each group that waits with none running the newest
+        sequence of the group that runs the most, while that group runs several."""
+        if self._free_slots or not self.waiting:
+            return
+        running = collections.Counter(s.group for s in self.running)
+        starved = {s.group for s in self.waiting if s.group not in running}
+        for _ in starved:
+            group, count = running.most_common(1)[0]
+            if count < 2:
+                return
+            self._preempt(max((s for s in self.running if s.group == group), key=lambda s: s.id))
+            running[group] -= 1
 
     def _steps(self, chunks: list[Chunk], max_steps: int) -> int:
         """How many decode steps `chunks` run in a row, given their pages for all of them."""
