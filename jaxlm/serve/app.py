@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -18,21 +21,56 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxlm.batching.scheduler import QueueFullError
 from jaxlm.serve import protocol
+from jaxlm.serve.body import BODY_TIMEOUT_S, read_json
 from jaxlm.serve.metrics import Metrics
-from jaxlm.serve.protocol import APIError
+from jaxlm.serve.protocol import APIError, quote
 
-# The largest request body; a prompt of a full context of text is far smaller.
-MAX_BODY_BYTES = 8 * 2**20
+logger = logging.getLogger("jaxlm.serve")
+
+# The first name in backticks of an engine's `ValueError`: the argument it refused.
+_NAMED = re.compile(r"`(\w+)")
+# The request's fields as the engine names its arguments.
+_FIELDS = {"max_new_tokens": "max_tokens", "prompts": "prompt"}
 
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+class _Guard:
+    """Answers an exception no handler took with a 500 in OpenAI's shape that names nothing
+    internal, and logs one line without a traceback; Starlette's own would log the traceback,
+    and show the exception's name to the client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def watch(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except asyncio.CancelledError:
+            # Only uvicorn cancels a request's task, when a shutdown's grace has run out: the
+            # connection is closed.
+            logger.warning("%s cancelled at shutdown", scope.get("path"))
+        except Exception as e:
+            logger.error("internal error on %s: %s", scope.get("path"), type(e).__name__)
+            if not started and scope["type"] == "http":
+                error = APIError(500, "the server failed to answer this request")
+                await _error_response(error)(scope, receive, send)
 
 
 class _Choices:
@@ -43,6 +81,8 @@ class _Choices:
         self.wake = asyncio.Event()
         self.handles: list = []
         self.arrival = time.perf_counter()
+        # Why the request ended early: its client left, or the server cut it at shutdown.
+        self.gone = self.aborted = False
 
     def notify(self) -> None:
         # Called from the engine's thread; a loop already closed has no one left to wake.
@@ -57,6 +97,14 @@ class _Choices:
         for h in self.handles:
             if not h.done:
                 h.cancel()
+
+    async def watch(self, receive) -> None:
+        """Cancel the choices as soon as the client disconnects: once the body is read, the
+        next message the server receives is `http.disconnect`."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.cancel()
 
     async def updates(self) -> AsyncIterator[list]:
         """Each handle's new deltas as `[(index, deltas, finished)]`, until all have ended."""
@@ -79,18 +127,19 @@ class _Choices:
 
 class _EventStream(StreamingResponse):
     """Server-sent events that cancel the request's sequences however the stream ends: a client
-    gone mid-stream frees its slot and pages at the engine's next step."""
+    gone mid-stream frees its slots and pages at once."""
 
-    def __init__(self, events: AsyncIterator[str], choices: _Choices):
+    def __init__(self, events: AsyncIterator[str], choices: _Choices, running: set):
         super().__init__(events, media_type="text/event-stream")
         self.headers["Cache-Control"] = "no-cache"
-        self.choices = choices
+        self.choices, self.running = choices, running
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.choices.cancel()
+            self.running.discard(self.choices)
 
 
 def _sse(data) -> str:
@@ -100,47 +149,52 @@ def _sse(data) -> str:
 class Server:
     """The endpoints of one engine serving one model under `model_name`."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, body_timeout: float = BODY_TIMEOUT_S):
         if engine.tokenizer is None:
             raise ValueError("`jaxlm serve` needs a tokenizer to read and write text")
         self.engine, self.tokenizer, self.model_name = engine, engine.tokenizer, model_name
+        self.body_timeout = body_timeout
         self.metrics = Metrics(engine)
         self.created = protocol.now()
+        # The requests running, for a shutdown to cut; each request's choices share a group,
+        # within which the engine's scheduler shares the slots fairly.
+        self.running: set[_Choices] = set()
+        self.closing = False
+        self._groups = itertools.count()
+
+    def abort(self) -> None:
+        """End every request still running and refuse new ones: streams end with a last chunk
+        (`finish_reason: "abort"`) and `data: [DONE]`, other requests with a 503."""
+        self.closing = True
+        for choices in list(self.running):
+            choices.aborted = True
+            choices.cancel()
 
     # Plumbing.
 
     async def _body(self, request: Request) -> dict:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        body = await read_json(request, self.body_timeout)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, "`model` must be a string", param="model")
         if model not in (None, self.model_name):
             raise APIError(
                 404,
-                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                f"the model {quote(model)} does not exist; this server serves `{self.model_name}`",
                 param="model",
                 code="model_not_found",
             )
+        if self.closing:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not self.engine.is_running:
             raise APIError(503, "the engine has stopped")
         return body
 
-    def _submit(self, prompts: list, parsed: protocol.Parsed, choices: _Choices) -> None:
+    def _submit(self, prompts: list, parsed: protocol.Parsed, choices: _Choices, field) -> None:
         """Submit every choice of every prompt (in the thread pool: tokenizing a long prompt
-        takes a while). A refused one cancels those before it."""
+        takes a while); `field` names the prompt in errors. A refused one cancels those before
+        it."""
+        group = next(self._groups)
         try:
             for prompt in prompts:
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -152,7 +206,7 @@ class Server:
                             400,
                             f"the prompt has {len(ids)} tokens; this server holds at most "
                             f"{self.engine.max_seq_len} tokens a sequence",
-                            param="messages",
+                            param=field,
                             code="context_length_exceeded",
                         )
                     sampling["max_new_tokens"] = room
@@ -160,7 +214,7 @@ class Server:
                 seed = secrets.randbits(32) if seed is None else seed
                 for j in range(parsed.n):
                     handle = self.engine.submit(
-                        ids, **sampling, seed=seed + j, on_update=choices.notify
+                        ids, **sampling, seed=seed + j, on_update=choices.notify, group=group
                     )
                     choices.handles.append(handle)
         except APIError:
@@ -171,8 +225,10 @@ class Server:
             raise APIError(429, str(e), code="queue_full") from None
         except ValueError as e:
             choices.cancel()
-            param = "max_tokens" if "max_new_tokens" in str(e) else "prompt"
-            raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param) from None
+            message = str(e).replace("max_new_tokens", "max_tokens")
+            named = _NAMED.search(str(e))
+            param = _FIELDS.get(named[1], named[1]) if named else field
+            raise APIError(400, message, param, code="invalid_value") from None
         except RuntimeError as e:
             choices.cancel()
             raise APIError(503, str(e)) from None
@@ -187,21 +243,38 @@ class Server:
             raise APIError(400, "`messages` render to an empty prompt", param="messages")
         return prompt
 
-    async def _start(self, request: Request, prompts: list, parsed) -> _Choices:
+    async def _start(self, prompts: list, parsed, field: str) -> _Choices:
+        if parsed.n > self.engine.max_num_seqs:
+            raise APIError(
+                400,
+                f"`n` is at most {self.engine.max_num_seqs} on this server (its "
+                f"`max_num_seqs`), got {parsed.n}",
+                param="n",
+                code="invalid_value",
+            )
         choices = _Choices(asyncio.get_running_loop())
-        await run_in_threadpool(self._submit, prompts, parsed, choices)
+        await run_in_threadpool(self._submit, prompts, parsed, choices, field)
+        self.running.add(choices)
+        if self.closing:  # the shutdown's cut came while the choices were being submitted
+            choices.aborted = True
+            choices.cancel()
         return choices
 
     async def _wait(self, request: Request, choices: _Choices) -> list:
-        """Every choice's result; a client that leaves first cancels them."""
-        while not choices.done:
-            try:
-                await asyncio.wait_for(choices.wake.wait(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    choices.cancel()
-                    raise ClientDisconnect() from None
-            choices.wake.clear()
+        """Every choice's result. A client that leaves first cancels them at once, and a
+        shutdown's cut answers 503."""
+        watch = asyncio.ensure_future(choices.watch(request.receive))
+        try:
+            while not choices.done:
+                await choices.wake.wait()
+                choices.wake.clear()
+        finally:
+            watch.cancel()
+            self.running.discard(choices)
+        if choices.gone:
+            raise ClientDisconnect()
+        if choices.aborted:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         return [h.result() for h in choices.handles]
 
     def _observe(self, endpoint: str, choices: _Choices, outputs: list) -> None:
@@ -219,7 +292,7 @@ class Server:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         parsed = protocol.parse_completion(body)
-        choices = await self._start(request, parsed.prompts, parsed)
+        choices = await self._start(parsed.prompts, parsed, "prompt")
         head = dict(
             id=protocol.new_id("cmpl"),
             object="text_completion",
@@ -227,7 +300,8 @@ class Server:
             model=self.model_name,
         )
         if parsed.stream:
-            return _EventStream(self._stream_completion(head, parsed, choices), choices)
+            stream = self._stream_completion(head, parsed, choices)
+            return _EventStream(stream, choices, self.running)
         return await self._respond(request, "completions", head, choices, self._text_choice)
 
     def _text_choice(self, out) -> dict:
@@ -278,7 +352,7 @@ class Server:
         body = await self._body(request)
         parsed, messages = protocol.parse_chat(body)
         prompt = await run_in_threadpool(self._chat_prompt, messages)
-        choices = await self._start(request, [prompt], parsed)
+        choices = await self._start([prompt], parsed, "messages")
         head = dict(
             id=protocol.new_id("chatcmpl"),
             object="chat.completion",
@@ -287,7 +361,7 @@ class Server:
         )
         if parsed.stream:
             head["object"] = "chat.completion.chunk"
-            return _EventStream(self._stream_chat(head, parsed, choices), choices)
+            return _EventStream(self._stream_chat(head, parsed, choices), choices, self.running)
         return await self._respond(request, "chat", head, choices, self._chat_choice)
 
     def _chat_choice(self, out) -> dict:
@@ -337,15 +411,22 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(engine, model_name: str = "jaxlm", *, close_engine: bool = False) -> Starlette:
+def create_app(
+    engine,
+    model_name: str = "jaxlm",
+    *,
+    close_engine: bool = False,
+    body_timeout: float = BODY_TIMEOUT_S,
+) -> Starlette:
     """The OpenAI-compatible application over `engine`; with `close_engine`, the application's
-    shutdown closes the engine (its requests still running end as cancelled).
+    shutdown closes the engine (its requests still running end as cancelled). A body that takes
+    longer than `body_timeout` seconds to arrive is answered 408.
 
     Example:
         >>> app = create_app(jaxlm.LLMEngine(model, tokenizer, budget="2GiB"), "smollm2")
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
     """
-    server = Server(engine, model_name)
+    server = Server(engine, model_name, body_timeout)
 
     async def api_error(request: Request, error: APIError) -> Response:
         return _error_response(error)
@@ -355,9 +436,6 @@ def create_app(engine, model_name: str = "jaxlm", *, close_engine: bool = False)
 
     async def disconnected(request: Request, error: ClientDisconnect) -> Response:
         return Response(status_code=499)
-
-    async def internal_error(request: Request, error: Exception) -> Response:
-        return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -375,11 +453,11 @@ def create_app(engine, model_name: str = "jaxlm", *, close_engine: bool = False)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(_Guard)],
         exception_handlers={
             APIError: api_error,
             HTTPException: http_error,
             ClientDisconnect: disconnected,
-            Exception: internal_error,
         },
     )
     app.state.server = server

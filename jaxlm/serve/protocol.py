@@ -10,7 +10,7 @@ OpenAI does not define are ignored, as OpenAI's own server does.
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,14 +20,38 @@ from jaxlm.requests import is_int
 
 # The most choices one request may ask for (`n`, times the prompts of a completion).
 MAX_CHOICES = 16
-# The most stop strings of a request.
-MAX_STOP = 16
+# The most stop strings of a request, as OpenAI allows, and the longest: each new token is
+# checked against the last `len(stop)` characters of the text, on the engine's thread.
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+# The most characters of a value sent that an error message quotes, and of a message.
+QUOTE_CHARS = 100
+MESSAGE_CHARS = 1000
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def quote(value) -> str:
+    """`repr(value)`, cut to `QUOTE_CHARS` characters: a message never echoes a large input."""
+    if isinstance(value, str | list | dict) and len(value) > QUOTE_CHARS:
+        value = value[:QUOTE_CHARS] if isinstance(value, str | list) else "{...}"
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "..."
+
+
+def _clean(text: str | None, limit: int) -> str | None:
+    # A lone surrogate cannot be encoded as UTF-8: the error answering it would fail in turn.
+    if text is None:
+        return None
+    text = _SURROGATES.sub("\ufffd", text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class APIError(Exception):
     """An error to answer in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code=None):
+        message, param = _clean(message, MESSAGE_CHARS), _clean(param, QUOTE_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -62,13 +86,15 @@ def _number(body: dict, name: str, default, *, low=None, high=None, low_open=Fal
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(name, f"`{name}` must be a number, got {type(value).__name__}")
     if integer and not (is_int(value) or float(value).is_integer()):
-        raise _bad(name, f"`{name}` must be an integer, got {value!r}")
-    if not math.isfinite(value):
-        raise _bad(name, f"`{name}` must be finite, got {value!r}")
+        raise _bad(name, f"`{name}` must be an integer, got {quote(value)}")
+    # An integer beyond a float's range counts as infinite (`float()` would raise on it); NaN
+    # fails every comparison.
+    if not abs(value) < 2**1024:
+        raise _bad(name, f"`{name}` must be finite, got {quote(value)}")
     if low is not None and (value <= low if low_open else value < low):
-        raise _bad(name, f"`{name}` must be {'>' if low_open else '>='} {low}, got {value!r}")
+        raise _bad(name, f"`{name}` must be {'>' if low_open else '>='} {low}, got {quote(value)}")
     if high is not None and value > high:
-        raise _bad(name, f"`{name}` must be <= {high}, got {value!r}")
+        raise _bad(name, f"`{name}` must be <= {high}, got {quote(value)}")
     return int(value) if integer else float(value)
 
 
@@ -86,7 +112,7 @@ def _unsupported(body: dict, **off) -> None:
     for name, neutral in off.items():
         value = body.get(name)
         if value is not None and value not in neutral:
-            raise _bad(name, f"`{name}` is not supported by jaxlm (got {value!r})")
+            raise _bad(name, f"`{name}` is not supported by jaxlm (got {quote(value)})")
 
 
 @dataclasses.dataclass
@@ -121,9 +147,11 @@ def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
         raise _bad("stop", "`stop` must be a non-empty string or a list of them")
     if stop is not None and len(stop) > MAX_STOP:
         raise _bad("stop", f"`stop` holds at most {MAX_STOP} strings, got {len(stop)}")
+    if stop is not None and max(map(len, stop)) > MAX_STOP_CHARS:
+        raise _bad("stop", f"a `stop` string holds at most {MAX_STOP_CHARS} characters")
     seed = body.get("seed")
     if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**64):
-        raise _bad("seed", f"`seed` must be a 64-bit integer, got {seed!r}")
+        raise _bad("seed", f"`seed` must be a 64-bit integer, got {quote(seed)}")
     _unsupported(
         body,
         presence_penalty=(0, 0.0),
@@ -132,7 +160,7 @@ def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
         tools=([],),
         functions=([],),
     )
-    top_k = _number(body, "top_k", None, integer=True, low=-1)
+    top_k = _number(body, "top_k", None, integer=True, low=-1, high=2**31 - 1)
     sampling = dict(
         temperature=_number(body, "temperature", 1.0, low=0),
         top_p=_number(body, "top_p", None, low=0, high=1, low_open=True),
@@ -200,7 +228,7 @@ def parse_chat(body: dict) -> tuple[Parsed, list[dict]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "a message must be an object with a string `role`")
         if m["role"] not in ("system", "developer", "user", "assistant"):
-            raise _bad(f"messages[{i}].role", f"unsupported role {m['role']!r}")
+            raise _bad(f"messages[{i}].role", f"unsupported role {quote(m['role'])}")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})
     want = _bool(body, "logprobs")
@@ -235,7 +263,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def finish_reason(output: RequestOutput) -> str:
-    return "length" if output.finish_reason == "length" else "stop"
+    # A request cancelled while its client still listens was cut by the server's shutdown:
+    # vLLM says `abort` then.
+    return {"length": "length", "cancelled": "abort"}.get(output.finish_reason, "stop")
 
 
 def _token_text(tokenizer, token_id: int) -> str:
