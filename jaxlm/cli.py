@@ -118,6 +118,12 @@ def parser() -> argparse.ArgumentParser:
         "--decode-steps", type=_positive_int, default=4, help="decode steps per XLA call"
     )
     s.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds requests may run on after SIGINT or SIGTERM before they are cut",
+    )
 
     b = sub.add_parser("bench", help="benchmark prefill and decode (see benchmarks/bench.py)")
     _model_options(b)
@@ -250,7 +256,7 @@ def _serve(args) -> None:
         decode_steps=args.decode_steps,
     )
     print(f"{engine.describe()}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve.run(engine, name, host=args.host, port=args.port)
+    serve.run(engine, name, host=args.host, port=args.port, grace=args.shutdown_grace)
 
 
 def _without_ynnpack(dtype, quantize) -> None:

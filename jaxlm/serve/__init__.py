@@ -16,28 +16,31 @@ from jaxlm.serve.protocol import APIError
 
 __all__ = ["APIError", "create_app", "run"]
 
-# How long in-flight requests may run on after SIGINT or SIGTERM before they are cancelled.
-GRACEFUL_SHUTDOWN_S = 5
+# How long in-flight requests may run on after SIGINT or SIGTERM before they are cut.
+GRACEFUL_SHUTDOWN_S = 5.0
 
 
-def run(engine, model_name: str = "jaxlm", *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve `engine` until SIGINT or SIGTERM; then requests still running are cancelled (after
-    `GRACEFUL_SHUTDOWN_S` seconds), the engine closed and the port released."""
-    import uvicorn
+def run(
+    engine,
+    model_name: str = "jaxlm",
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    grace: float = GRACEFUL_SHUTDOWN_S,
+) -> None:
+    """Serve `engine` until SIGINT or SIGTERM. Then the server takes no new request, lets those
+    running finish for `grace` seconds and cuts the rest (a stream ends with a last chunk whose
+    `finish_reason` is `"abort"` and `data: [DONE]`, another request with a 503), closes the
+    engine and releases the port."""
+    from jaxlm.serve import http
 
     app = create_app(engine, model_name, close_engine=True)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
+    config = http.config(app, host=host, port=port, grace=grace)
     # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: exit 0 then,
     # as the server has stopped cleanly (SIGINT raises `KeyboardInterrupt` as usual).
     previous = signal.signal(signal.SIGTERM, _exit)
     try:
-        uvicorn.Server(config).run()
+        http.DrainingServer(config, app.state.server, grace).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
