@@ -1,0 +1,538 @@
+"""`jaxlm serve` as an attacker tries it, on 127.0.0.1: hostile bodies answer 4xx in OpenAI's
+shape, a client that leaves stops its request at once, slow clients are cut off, a shutdown
+ends every response in its own shape, and no request holds every slot while another waits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import rewrite_config
+
+import jaxlm
+from jaxlm.batching import PagePool, Scheduler
+from jaxlm.requests import Detokenizer, find_stop
+from jaxlm.serve import create_app, http
+from jaxlm.serve.protocol import MESSAGE_CHARS, QUOTE_CHARS
+
+MODEL = "tiny"
+MAX_NUM_SEQS = 8
+CONTEXT = 2048
+BODY_TIMEOUT_S = 1.0
+
+
+class Running:
+    """An app served as `jaxlm serve` serves it (`jaxlm.serve.http.config`) on a free port of
+    127.0.0.1, in a thread of this process."""
+
+    def __init__(self, app):
+        config = http.config(app, host="127.0.0.1", port=0, grace=0, log_level="warning")
+        self.server = http.DrainingServer(config, app.state.server, grace=0)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join()
+
+
+class Records(logging.Handler):
+    """Every record of the server's loggers (uvicorn's do not reach the root logger)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def text(self) -> str:
+        return "\n".join(self.format(r) for r in self.records)
+
+
+@pytest.fixture(scope="module")
+def log():
+    records = Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "jaxlm.serve")]
+    for logger in loggers:
+        logger.addHandler(records)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(records)
+
+
+@pytest.fixture(scope="module")
+def long_chat(tiny_chat, tmp_path_factory):
+    """The tiny chat model with a context long enough for requests that run for seconds: the
+    default model would cost a minute of compiling for what these tests need of it."""
+    path = tmp_path_factory.mktemp("long_chat")
+    shutil.copytree(tiny_chat, path, dirs_exist_ok=True)
+    rewrite_config(path, max_position_embeddings=CONTEXT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(long_chat, log):
+    model, tokenizer = jaxlm.load(long_chat)
+    engine = jaxlm.LLMEngine(
+        model,
+        tokenizer,
+        max_num_seqs=MAX_NUM_SEQS,
+        page_size=16,
+        num_pages=MAX_NUM_SEQS * CONTEXT // 16 + 1,
+        max_num_batched_tokens=16,
+    )
+    running = Running(create_app(engine, MODEL, body_timeout=BODY_TIMEOUT_S))
+    yield running, engine
+    running.stop()
+    engine.close()
+    # Nothing the attacks did wrote a traceback to the log.
+    assert "Traceback" not in log.text()
+    assert not [r for r in log.records if r.exc_info]
+
+
+@pytest.fixture(scope="module")
+def http_client(served):
+    with httpx.Client(base_url=served[0].url, timeout=60) as client:
+        yield client
+
+
+def idle(engine, timeout=60.0):
+    """The engine's stats once it has nothing left to run (or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    while (s := engine.stats()).running + s.waiting and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return s
+
+
+def generated(client) -> float:
+    """`jaxlm_generation_tokens_total`, read from `/metrics`."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("jaxlm_generation_tokens_total "):
+            return float(line.split()[1])
+    raise AssertionError("no `jaxlm_generation_tokens_total` in /metrics")
+
+
+def assert_openai_error(r: httpx.Response, status: int | None = None) -> dict:
+    assert 400 <= r.status_code < 500 if status is None else r.status_code == status, r.text[:300]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert len(error["message"]) <= MESSAGE_CHARS + 3
+    assert "Traceback" not in r.text and "Error:" not in r.text
+    return error
+
+
+# Hostile bodies: (path, raw body, the status and the `param` the error must name).
+GOOD = b'{"model": "tiny", "prompt": %s, "max_tokens": 2}'
+CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": %s}], "max_tokens": 2}'
+DEEP = b"[" * 10_000 + b"]" * 10_000
+HOSTILE = {
+    "escaped surrogate in prompt": ("/v1/completions", GOOD % b'"a\\ud800b"', 400, "prompt"),
+    "raw surrogate in prompt": ("/v1/completions", GOOD % b'"a\xed\xa0\x80b"', 400, "prompt"),
+    "bytes not UTF-8 in prompt": ("/v1/completions", GOOD % b'"a\xff\xfeb"', 400, "prompt"),
+    "surrogate in a list of prompts": (
+        "/v1/completions",
+        GOOD % b'["fine", "\\udfff"]',
+        400,
+        "prompt[1]",
+    ),
+    "surrogate in chat content": (
+        "/v1/chat/completions",
+        CHAT % b'"hi \\ud83d"',
+        400,
+        "messages[0].content",
+    ),
+    "raw surrogate in chat content": (
+        "/v1/chat/completions",
+        CHAT % b'"hi \xed\xb0\x80"',
+        400,
+        "messages[0].content",
+    ),
+    "surrogate in a text part": (
+        "/v1/chat/completions",
+        CHAT % b'[{"type": "text", "text": "\\ud800"}]',
+        400,
+        "messages[0].content[0].text",
+    ),
+    "surrogate in model": (
+        "/v1/completions",
+        b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}',
+        400,
+        "model",
+    ),
+    "surrogate in an ignored key": (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "hi", "\\ud800": 1}',
+        400,
+        "\ufffd",
+    ),
+    "deep nesting in an ignored field": (
+        "/v1/completions",
+        b'{"prompt": "hi", "user": ' + DEEP + b"}",
+        400,
+        None,
+    ),
+    "deep nesting in prompt": ("/v1/completions", GOOD % DEEP, 400, None),
+    "deep nesting at the top": ("/v1/chat/completions", DEEP, 400, None),
+    "deep objects": ("/v1/completions", b'{"a":' * 5000 + b"1" + b"}" * 5000, 400, None),
+    "a large model name": (
+        "/v1/completions",
+        b'{"model": "%s", "prompt": "hi"}' % (b"m" * 2**20),
+        404,
+        "model",
+    ),
+    "a large role": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "%s", "content": "hi"}]}' % (b"r" * 2**20),
+        400,
+        "messages[0].role",
+    ),
+    "top_k beyond int32": ("/v1/completions", b'{"prompt": "hi", "top_k": 1099511627776}', 400),
+    "top_k fractional": ("/v1/completions", b'{"prompt": "hi", "top_k": 2.5}', 400, "top_k"),
+    "temperature NaN": ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400),
+    "temperature Infinity": ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', 400),
+    "temperature beyond a float": (
+        "/v1/completions",
+        b'{"prompt": "hi", "temperature": 1%s}' % (b"0" * 400),
+        400,
+        "temperature",
+    ),
+    "an integer of 5000 digits": (
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 1%s}' % (b"0" * 5000),
+        400,
+        None,
+    ),
+    "max_tokens beyond the context": (
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 1000000000000}',
+        400,
+        "max_tokens",
+    ),
+    "five stop strings": (
+        "/v1/completions",
+        b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}',
+        400,
+        "stop",
+    ),
+    "a stop string of 20000 characters": (
+        "/v1/completions",
+        b'{"prompt": "hi", "stop": ["%s"]}' % (b"s" * 20_000),
+        400,
+        "stop",
+    ),
+    "n above max_num_seqs": ("/v1/completions", b'{"prompt": "hi", "n": 9}', 400, "n"),
+    "a token id beyond the vocabulary": (
+        "/v1/completions",
+        b'{"prompt": [1, 99999999], "max_tokens": 2}',
+        400,
+        "prompt",
+    ),
+    "a body of ints that nests nothing": (
+        "/v1/completions",
+        b'{"prompt": [%s]}' % b",".join([b"1"] * 200_000),
+        400,
+        "max_tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
+def test_hostile_bodies_get_openai_errors(served, http_client, case):
+    path, body, status, *param = HOSTILE[case]
+    param = param[0] if param else case.split()[0]
+    r = http_client.post(path, content=body, headers={"content-type": "application/json"})
+    error = assert_openai_error(r, status)
+    assert error["param"] == param
+    # The message quotes at most a bounded part of what was sent.
+    assert len(error["message"]) < QUOTE_CHARS + 200
+    assert http_client.get("/health").status_code == 200
+
+
+def test_an_unexpected_error_answers_500_without_internals(served, http_client, log, monkeypatch):
+    def broken(*args):
+        raise KeyError("a secret of the server")
+
+    monkeypatch.setattr("jaxlm.serve.protocol.usage", broken)
+    before = len(log.records)
+    r = http_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "KeyError" not in r.text and "secret" not in r.text
+    lines = [r for r in log.records[before:] if r.name == "jaxlm.serve"]
+    assert len(lines) == 1 and lines[0].exc_info is None
+    assert "KeyError" in lines[0].getMessage()
+    monkeypatch.undo()
+    assert http_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).is_success
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_client_that_leaves_stops_its_request_within_a_step(served, http_client, stream):
+    running, engine = served
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    body |= {"temperature": 0, "stream": stream}
+    before = generated(http_client)
+    with httpx.Client(base_url=running.url, timeout=1.0) as leaving:
+        if stream:
+            with leaving.stream("POST", "/v1/completions", json=body) as r:
+                end = time.monotonic() + 1.0
+                next(line for line in r.iter_lines() if time.monotonic() > end)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                leaving.post("/v1/completions", json=body)
+    left = generated(http_client)
+    s = idle(engine)
+    assert s.pages_in_use == 0 and s.running == s.waiting == 0
+    after = generated(http_client)
+    assert 0 < left - before < 2000
+    # At most one XLA call's tokens (`decode_steps` steps) after the client left.
+    assert after - left <= engine.decode_steps
+
+
+def test_a_short_request_starts_within_steps_beside_n_eight(served, http_client, monkeypatch):
+    running, engine = served
+    scheduler, submitted, first = engine.scheduler, {}, {}
+    submit, update = scheduler.submit, scheduler.update
+
+    def counted_submit(prompt, max_new_tokens, group=None):
+        seq = submit(prompt, max_new_tokens, group)
+        submitted[seq.id] = engine.steps
+        return seq
+
+    def counted_update(batch, sampled, stop=None):
+        finished = update(batch, sampled, stop)
+        for c in batch.chunks:
+            if c.seq.output:
+                first.setdefault(c.seq.id, engine.steps)
+        return finished
+
+    # The engine's steps from each sequence's submission to its first token.
+    monkeypatch.setattr(scheduler, "submit", counted_submit)
+    monkeypatch.setattr(scheduler, "update", counted_update)
+    long = {"prompt": "Tell me a story.", "max_tokens": 2000, "ignore_eos": True, "n": 8}
+    long |= {"temperature": 0.8, "seed": 1, "stream": True}
+    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    with (
+        httpx.Client(base_url=running.url, timeout=120) as other,
+        other.stream("POST", "/v1/completions", json=long) as big,
+    ):
+        lines = big.iter_lines()
+        while engine.stats().running < MAX_NUM_SEQS:
+            next(lines)
+        r = http_client.post("/v1/completions", json=short)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert engine.stats().running == MAX_NUM_SEQS  # the long request still runs
+    short_id = max(submitted)
+    # The short request's first token came within the call that ran when it arrived and the
+    # next step, not after the thousands of tokens the long request had left.
+    assert first[short_id] - submitted[short_id] <= engine.decode_steps + 1
+    assert idle(engine).pages_in_use == 0
+
+
+def test_a_body_sent_slowly_is_refused_with_408(served):
+    running, _ = served
+    with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        start = time.monotonic()
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+            if b"\r\n\r\n" in reply and reply.rstrip().endswith(b"}"):
+                break
+    assert reply.startswith(b"HTTP/1.1 408")
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert time.monotonic() - start < BODY_TIMEOUT_S + 3
+
+
+def test_slow_and_large_headers_are_cut_off(served, monkeypatch):
+    running, _ = served
+    monkeypatch.setattr(http, "HEADERS_TIMEOUT_S", 0.5)
+    with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        assert s.recv(1024) == b""  # closed without an answer
+        assert time.monotonic() - start < 3
+    with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (17 * 2**10))
+        assert s.recv(1024).startswith(b"HTTP/1.1 4")
+
+
+def test_soak_of_600_requests_leaves_no_page_in_use(served):
+    running, engine = served
+    answered = []
+
+    def client(i, requests):
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            for j in range(requests):
+                body = {"prompt": f"Item {i} {j}:", "max_tokens": 1 + (i + j) % 3}
+                if j % 5 == 4:
+                    body |= {"stream": True, "max_tokens": 50}
+                    with c.stream("POST", "/v1/completions", json=body) as r:
+                        next(r.iter_lines())  # leave mid-stream
+                else:
+                    answered.append(c.post("/v1/completions", json=body).status_code)
+
+    def soak(requests):
+        threads = [threading.Thread(target=client, args=(i, requests)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    # The server's memory over a soak is measured apart from the client's, by
+    # `benchmarks/serve_soak.py`.
+    soak(75)
+    s = idle(engine)
+    assert s.running == s.waiting == s.pages_in_use == 0
+    assert answered == [200] * 8 * 60
+
+
+# The scheduler alone, without a model.
+
+
+def test_a_group_of_many_choices_shares_the_slots():
+    scheduler = Scheduler(PagePool(65, 4), max_num_seqs=4, max_num_batched_tokens=32)
+    many = [scheduler.submit([1, 2, 3], 50, group="n=8") for _ in range(8)]
+    for _ in range(8):
+        batch = scheduler.schedule()
+        scheduler.update(batch, {c.seq.id: 5 for c in batch.chunks if c.sample})
+    assert sum(s.status.value == "running" for s in many) == 4
+    other = scheduler.submit([7, 8, 9], 2, group="other")
+    batch = scheduler.schedule()
+    # The newest of the large group's sequences makes room at once.
+    assert other in [c.seq for c in batch.chunks]
+    assert [s.id for s in batch.preempted] == [many[3].id]
+    scheduler.update(batch, {c.seq.id: 5 for c in batch.chunks if c.sample})
+    # No more preemption while every waiting group runs something.
+    assert scheduler.schedule().preempted == ()
+
+
+def test_prompts_of_one_token_are_admitted_together():
+    scheduler = Scheduler(
+        PagePool(65, 4), max_num_seqs=8, max_num_batched_tokens=32, max_prefill_chunks=1
+    )
+    long = scheduler.submit(list(range(1, 20)), 1)
+    seqs = [scheduler.submit([i + 1], 1) for i in range(12)]
+    batch = scheduler.schedule()
+    # One chunk of the long prompt, and every 1-token prompt a free slot allows.
+    assert sorted(len(c.tokens) for c in batch.chunks) == [1] * 7 + [19]
+    assert {c.seq.id for c in batch.chunks} == {s.id for s in seqs[:7]} | {long.id}
+
+
+def test_stop_strings_are_searched_only_where_they_can_end():
+    class Chars:
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    stops = tuple("q" * 1999 + c for c in "wxyz")
+    detok, ids = Detokenizer(Chars(), stops), [ord("a")] * 20_000
+    start = time.perf_counter()
+    pieces = [detok.update(ids[:n], final=False) for n in range(19_500, 20_000)]
+    # Each update searched a window of the last `len(stop)` characters, not the whole text, and
+    # held nothing back: no end of it begins a stop string. Searching it all, with the
+    # hold-back tried for every length of every stop string, took tens of seconds.
+    assert time.perf_counter() - start < 2.0
+    assert "".join(pieces) == "a" * 19_999
+
+    stops = tuple("q" * 255 + c for c in "wxyz")
+    detok, ids = Detokenizer(Chars(), stops), [ord("q")] * 2_000
+    pieces = [detok.update(ids[:n], final=False) for n in range(1, 2_001)]
+    assert "".join(pieces) == "q" * (2_000 - 255)  # what could begin a stop string waits
+    text = "q" * 2_000 + "y"
+    pieces.append(detok.update([*ids, ord("y")], final=False))
+    assert detok.finished and "".join(pieces) == text[: find_stop(text, stops)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_every_request_in_its_shape(long_chat):
+    port = free_port()
+    command = [sys.executable, "-m", "jaxlm", "serve", "--model", str(long_chat)]
+    command += ["--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS)]
+    command += ["--max-seq-len", str(CONTEXT), "--max-num-batched-tokens", "16"]
+    command += ["--shutdown-grace", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+        streams, plain = [None] * 4, [None] * 2
+
+        def stream(i):
+            stream = body | {"stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=stream, timeout=60) as r:
+                streams[i] = [line for line in r.iter_lines() if line.startswith("data:")]
+
+        def ask(i):
+            plain[i] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        threads += [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        while (
+            sum(
+                float(line.split()[1])
+                for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith(("jaxlm_requests_running ", "jaxlm_requests_waiting "))
+            )
+            < 6
+        ):
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Each request had thousands of steps left when the server was told to stop.
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    for r in plain:
+        assert_openai_error(r, 503)
+    # The port is free again: nothing listens, and a new server can bind it (connections the
+    # server closed linger in TIME_WAIT, which `SO_REUSEADDR` allows, as uvicorn sets it).
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    log = proc.stderr.read()
+    assert "Traceback" not in log and "CancelledError" not in log
