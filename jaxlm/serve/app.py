@@ -53,6 +53,9 @@ class _Guard:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # the lifespan's failures are uvicorn's to report
+            await self.app(scope, receive, send)
+            return
         started = False
 
         async def watch(message) -> None:
@@ -68,7 +71,7 @@ class _Guard:
             logger.warning("%s cancelled at shutdown", scope.get("path"))
         except Exception as e:
             logger.error("internal error on %s: %s", scope.get("path"), type(e).__name__)
-            if not started and scope["type"] == "http":
+            if not started:
                 error = APIError(500, "the server failed to answer this request")
                 await _error_response(error)(scope, receive, send)
 
