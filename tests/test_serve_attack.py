@@ -18,6 +18,8 @@ import time
 import httpx
 import pytest
 from conftest import rewrite_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxlm
 from jaxlm.batching import PagePool, Scheduler
@@ -261,6 +263,49 @@ def test_hostile_bodies_get_openai_errors(served, http_client, case):
     # The message quotes at most a bounded part of what was sent.
     assert len(error["message"]) < QUOTE_CHARS + 200
     assert http_client.get("/health").status_code == 200
+
+
+# Any JSON value, surrogates and numbers beyond a float included, for any field.
+VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.sampled_from(["\ud800", "a\udfff", "", "-1"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=6,
+)
+FIELDS = [
+    "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "repetition_penalty", "n", "stop", "seed", "stream",
+    "stream_options", "logprobs", "top_logprobs", "ignore_eos", "echo", "presence_penalty",
+    "logit_bias", "response_format", "tool_choice", "user",
+]  # fmt: skip
+BODIES = st.tuples(
+    st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    st.dictionaries(st.sampled_from(FIELDS), VALUES | st.just(MODEL)),
+    st.sampled_from([[{"role": "user", "content": "Hi"}], "Hi", [1, 2, 3]]),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(BODIES)
+def test_any_body_answers_200_or_a_4xx_in_openai_shape(served, http_client, case):
+    path, body, prompt = case
+    body.setdefault("messages" if "chat" in path else "prompt", prompt)
+    for name in ("max_tokens", "max_completion_tokens"):
+        # A valid length, or none, made short: the test is of the answers, not of generating.
+        value = body.get(name)
+        if value is None or (isinstance(value, int | float) and value > 4 and value % 1 == 0):
+            body[name] = 4
+    r = http_client.post(path, content=json.dumps(body).encode())
+    if r.status_code != 200:
+        assert_openai_error(r)
+    elif body.get("stream") is True:
+        assert r.text.endswith("data: [DONE]\n\n")
+    else:
+        assert r.json()["choices"]
 
 
 def test_an_unexpected_error_answers_500_without_internals(served, http_client, log, monkeypatch):
