@@ -87,10 +87,10 @@ def _number(body: dict, name: str, default, *, low=None, high=None, low_open=Fal
         raise _bad(name, f"`{name}` must be a number, got {type(value).__name__}")
     if integer and not (is_int(value) or float(value).is_integer()):
         raise _bad(name, f"`{name}` must be an integer, got {quote(value)}")
-    # An integer beyond a float's range counts as infinite (`float()` would raise on it); NaN
-    # fails every comparison.
-    if not abs(value) < 2**1024:
-        raise _bad(name, f"`{name}` must be finite, got {quote(value)}")
+    # An integer near or beyond a float's range counts as infinite (`float()` would raise on
+    # it); NaN fails every comparison.
+    if not abs(value) < 2**1023:
+        raise _bad(name, f"`{name}` must be finite and below 2**1023, got {quote(value)}")
     if low is not None and (value <= low if low_open else value < low):
         raise _bad(name, f"`{name}` must be {'>' if low_open else '>='} {low}, got {quote(value)}")
     if high is not None and value > high:
