@@ -162,8 +162,8 @@ class Scheduler:
             )
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"the queue holds `max_queue={self.max_queue}` requests already")
-        id = next(self._ids)
-        seq = SequenceState(id, prompt, max_new_tokens, ("seq", id) if group is None else group)
+        key = next(self._ids)
+        seq = SequenceState(key, prompt, max_new_tokens, ("seq", key) if group is None else group)
         self.waiting.append(seq)
         return seq
 
@@ -271,8 +271,16 @@ class Scheduler:
         if not self._free_slots:
             return None
         running = collections.Counter(s.group for s in self.running)
-        waiting = (s for s in self.waiting if prefill or len(s.tokens) == 1)
-        return min(waiting, key=lambda s: running[s.group], default=None)
+        best = None
+        for seq in self.waiting:
+            if not prefill and len(seq.prompt) + len(seq.output) > 1:
+                continue
+            # Most often the first waiting sequence's group runs none: the queue is not scanned.
+            if not running[seq.group]:
+                return seq
+            if best is None or running[seq.group] < running[best.group]:
+                best = seq
+        return best
 
     def _share_slots(self) -> None:
         """With no slot free, preempt for each group that waits with none running the newest
