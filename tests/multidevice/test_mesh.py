@@ -115,7 +115,9 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
     for var, spec in expected:
         assert var[...].sharding.spec == spec
     assert model.model.norm.weight[...].sharding.is_fully_replicated
-    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
+    # What is checked is the layout and the bytes, which no compiled step changes: the plan
+    # compiles one step only.
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32, steps=("decode",))
     scratch = plan.allocate()
     for slot in plan.layout.slots:
         leaf = scratch
@@ -142,7 +144,7 @@ def test_too_few_kv_heads_are_replicated(saved):
     attn = model.model.layers[0].self_attn
     assert attn.qkv_proj.weight[...].sharding.spec == P(None, None, None)
     assert attn.o_proj.weight[...].sharding.spec == P(None, "model")
-    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32, steps=("decode",))
     k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_cache"]
     assert {s.data.shape for s in k.addressable_shards} == {(4, 8, 32)}
     assert "KV heads replicated over `model`" in str(plan)
@@ -153,7 +155,7 @@ def test_a_mesh_with_one_axis(saved, single):
     mesh = jax.make_mesh((4,), ("model",))
     model, _ = jaxlm.load(saved["llama_gqa4"], mesh=mesh)
     np.testing.assert_allclose(np.asarray(model(ids)), logits, atol=1e-5, rtol=0)
-    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32)
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32, steps=("decode",))
     assert plan.layout.slots[0].sharding.mesh.axis_names == ("model",)
 
 
@@ -167,7 +169,10 @@ def _pointers(scratch) -> list:
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 def test_donation_keeps_every_shard_in_place(saved, mesh):
     model, _ = jaxlm.load(saved["llama_gqa4"], mesh=mesh)
-    plan = jaxlm.plan(model, max_batch=4, max_seq_len=32)
+    # `prefill` and `decode` run steps of their own; the plan's is the one `generate` compiled
+    # for `PROMPTS` on this mesh (`test_sharded_model_equals_single_device`), loaded from the
+    # compilation cache.
+    plan = jaxlm.plan(model, max_batch=4, max_seq_len=32, prefill_chunk=16, steps=("generate",))
     scratch = plan.allocate()
     before = _pointers(scratch)
     scratch, logits = plan.prefill(scratch, np.array(PROMPTS[1:2] * 4))
@@ -234,11 +239,13 @@ def test_cli_plans_on_a_mesh(capsys):
 def test_budget_is_per_device(saved):
     single, _ = jaxlm.load(saved["llama_gqa4"])
     sharded, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
-    whole = jaxlm.plan(single, max_batch=4, max_seq_len=256).total_bytes
-    per_device = jaxlm.plan(sharded, max_batch=4, max_seq_len=256).total_bytes
+    # Each plan bills the decode step alone: the one step compiled, once per device count.
+    kw = dict(max_batch=4, steps=("decode",))
+    whole = jaxlm.plan(single, max_seq_len=256, **kw).total_bytes
+    per_device = jaxlm.plan(sharded, max_seq_len=256, **kw).total_bytes
     assert per_device < whole
     budget = (whole + per_device) // 2
     with pytest.raises(jaxlm.PlanError, match="no `max_seq_len` fits"):
-        jaxlm.plan(single, max_batch=4, budget=budget)
-    fitted = jaxlm.plan(sharded, max_batch=4, budget=budget)
+        jaxlm.plan(single, budget=budget, **kw)
+    fitted = jaxlm.plan(sharded, budget=budget, **kw)
     assert fitted.max_seq_len == 256 and fitted.total_bytes <= budget

@@ -48,8 +48,9 @@ def test_experts_split_over_model_and_compute_as_on_one_device(saved):
     np.testing.assert_allclose(np.asarray(model(ids)), logits, atol=1e-5, rtol=0)
     for prompts, tokens in zip((PROMPTS[:1], PROMPTS), expected, strict=True):
         assert jaxlm.generate(model, None, prompts, **kw).token_ids == tokens
-    # The plan counts each device's two experts of each layer.
-    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32)
+    # The plan counts each device's two experts of each layer. Its step is the one `generate`
+    # compiled for the two prompts, loaded from the compilation cache.
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=32, prefill_chunk=16, steps=("generate",))
     held = {}
     for x in jax.tree.leaves(plan.engine.params):
         for shard in x.addressable_shards:
