@@ -40,10 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_LLAMACPP = json.loads((ROOT / "tests" / "data" / "smollm2_llamacpp.json").read_text())
 
 # The tests carry their own data: every file they open lies in the repository, in a temporary
-# directory, or in what the interpreter and its packages (the default model included) and the
-# operating system install. `opened_outside` is checked once the session ends.
-ALLOWED_ROOTS = tuple(
-    dict.fromkeys(
+# directory, in what the interpreter and its packages (the default model included) and the
+# operating system install, or in the user's hidden settings (`pdb` reads `~/.pdbrc`).
+# `opened_outside` is checked once the session ends.
+ALLOWED_ROOTS = (
+    *dict.fromkeys(
         os.path.realpath(p) + os.sep
         for p in (
             ROOT,
@@ -52,7 +53,8 @@ ALLOWED_ROOTS = tuple(
             sys.base_prefix,
             *("/dev", "/etc", "/lib", "/proc", "/sys", "/usr"),
         )
-    )
+    ),
+    os.path.join(os.path.realpath(Path.home()), "."),
 )
 opened_outside: set[str] = set()
 
@@ -72,10 +74,54 @@ def _audit_open(event: str, args: tuple) -> None:
 sys.addaudithook(_audit_open)
 
 
+# The two workers (`--dist loadgroup`, pyproject.toml) take a file at a time, so that its module
+# fixtures load once, the slowest first so that both finish together. A test that shares no
+# fixture of its file's (a notebook, in a kernel of its own) is a unit of its own. Seconds per
+# unit in a run of the whole suite on 2 cores, from its `--durations=0`; the others take less.
+UNIT_SECONDS = {
+    "tests/test_llm_engine.py": 240,
+    "tests/test_moe.py": 220,
+    "tests/test_sharding.py": 200,
+    "tests/test_families.py": 200,
+    "tests/test_multihost.py": 180,
+    "tests/test_notebooks.py::test_notebook_runs[gil]": 160,
+    "tests/test_notebooks.py::test_notebook_runs[memory_plan]": 150,
+    "tests/test_cli.py": 130,
+    "tests/test_serve.py": 130,
+    "tests/test_int8.py": 130,
+    "tests/test_plan.py": 120,
+    "tests/test_bench.py": 110,
+    "tests/test_reliability.py": 100,
+    "tests/test_paged.py": 100,
+    "tests/test_gguf.py": 80,
+    "tests/test_models.py": 80,
+    "tests/test_sampling.py": 80,
+    "tests/test_notebooks.py::test_notebook_runs[quickstart]": 70,
+    "tests/test_notebooks.py::test_notebook_runs[batching]": 70,
+    "tests/test_serve_attack.py": 60,
+    "tests/test_phi3.py": 60,
+    "tests/test_generate.py": 60,
+}
+INDEPENDENT_TESTS = ("tests/test_notebooks.py::test_notebook_runs",)
+
+
+def _unit(item: pytest.Item) -> str:
+    return item.nodeid if item.nodeid.startswith(INDEPENDENT_TESTS) else item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Before xdist's own hook, which reads the groups.
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    items.sort(key=lambda item: -UNIT_SECONDS.get(_unit(item), 0))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_opened_outside_the_repository():
     yield
     assert not opened_outside, f"tests opened files outside the repository: {opened_outside}"
+
 
 BASE = dict(
     vocab_size=96,
