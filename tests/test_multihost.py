@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import save_tokenizer
+from conftest import FAST_COMPILE_FLAGS, save_tokenizer
 from multihost_worker import HEARTBEAT_TIMEOUT, LAYOUTS, MAX_SEQ_LEN
 
 WORKER = Path(__file__).parent / "multihost_worker.py"
@@ -79,7 +79,7 @@ def _start(name: str, tmp: Path, devices: int, args: list) -> subprocess.Popen:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count={devices}",
     }
     with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
         return subprocess.Popen(

@@ -14,6 +14,7 @@ TESTS = Path(__file__).parent
 
 
 def test_sharded_models_on_four_devices():
+    # The child's `conftest` adds the flags that compile faster.
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     result = subprocess.run(
         [
