@@ -48,8 +48,9 @@ SMOLLM2_LLAMACPP = json.loads((ROOT / "tests" / "data" / "smollm2_llamacpp.json"
 
 # The tests carry their own data: every file they open lies in the repository, in a temporary
 # directory, in what the interpreter and its packages (the default model included) and the
-# operating system install, or in the user's hidden settings (`pdb` reads `~/.pdbrc`).
-# `opened_outside` is checked once the session ends.
+# operating system install, or in the user's hidden settings (`pdb` reads `~/.pdbrc`); never in
+# the project's `shared` folder beside the repository, even where that lies in a temporary
+# directory (a clone in /tmp). `opened_outside` is checked once the session ends.
 ALLOWED_ROOTS = (
     *dict.fromkeys(
         os.path.realpath(p) + os.sep
@@ -63,18 +64,20 @@ ALLOWED_ROOTS = (
     ),
     os.path.join(os.path.realpath(Path.home()), "."),
 )
+BESIDE = os.path.realpath(ROOT.parent / "shared") + os.sep
 opened_outside: set[str] = set()
 
 
-def outside_the_allowed_roots(path) -> bool:
-    return not os.path.realpath(path).startswith(ALLOWED_ROOTS)
+def _outside(path: str) -> bool:
+    path += os.sep
+    return path.startswith(BESIDE) or not path.startswith(ALLOWED_ROOTS)
 
 
 def _audit_open(event: str, args: tuple) -> None:
     # Called for every `open` of the process: cheap string checks before `realpath`.
     if event == "open" and isinstance(args[0], str | Path):
         path = os.path.abspath(args[0])
-        if not path.startswith(ALLOWED_ROOTS) and outside_the_allowed_roots(path):
+        if _outside(path) and _outside(os.path.realpath(path)):
             opened_outside.add(path)
 
 

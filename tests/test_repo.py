@@ -70,14 +70,18 @@ def test_models_and_layers_never_ask_for_the_backend():
 
 
 def test_a_file_opened_outside_the_repository_is_caught():
-    # `conftest` fails the session if a test opened such a file; this proves that it sees one.
+    # `conftest` fails the session if a test opened such a file; this proves that it sees one,
+    # beside the repository or anywhere else outside it.
     import conftest
 
-    outside = ROOT.parent / "shared" / "reference" / "smollm2_llamacpp.json"
-    with contextlib.suppress(OSError), open(outside):
-        pass
-    assert str(outside) in conftest.opened_outside
-    conftest.opened_outside.discard(str(outside))
+    for outside in (
+        ROOT.parent / "shared" / "reference" / "smollm2_llamacpp.json",
+        Path("/") / "jaxlm-outside-the-repository.json",
+    ):
+        with contextlib.suppress(OSError), open(outside):
+            pass
+        assert str(outside) in conftest.opened_outside
+        conftest.opened_outside.discard(str(outside))
     with open(ROOT / "tests" / "data" / "smollm2_llamacpp.json"):
         pass
     assert not conftest.opened_outside
