@@ -7,7 +7,8 @@ Example:
     >>> out.texts[0]
 """
 
-from jaxlm.batching.engine import EngineStats, LLMEngine, RequestHandle, RequestOutput
+from jaxlm.batching.engine import EngineStats, LLMEngine
+from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.config import ModelConfig
 from jaxlm.diagnostics import CompileCounter
 from jaxlm.errors import JaxlmError, LoadError, PlanError

@@ -156,9 +156,48 @@ def test_text_stop_strings_and_streaming(tiny_chat):
         handle = engine.submit(prompt, max_new_tokens=24, stop=["e"])
         pieces = list(handle)
         out = handle.result()
+        # Iterated again, as a notebook cell run again: the same pieces, from the start.
+        assert iterate(handle) == pieces
     assert "".join(pieces) == out.text == reference.texts[0]
     assert out.token_ids == reference.token_ids[0]
     assert out.finish_reason == reference.finish_reasons[0]
+
+
+def iterate(handle, timeout: float = 60.0) -> list[str]:
+    """The pieces of one iteration of `handle`, or what it raised; fails, rather than hangs, if
+    it does not end."""
+    result = {}
+
+    def run():
+        try:
+            result["pieces"] = list(handle)
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"iterating the handle did not end within {timeout} s"
+    if "error" in result:
+        raise result["error"]
+    return result["pieces"]
+
+
+def test_an_error_before_a_call_fails_every_request(tiny):
+    # Scheduling and packing a call's inputs run on the engine's thread too: an error there
+    # ends the engine, and every request learns of it instead of waiting forever.
+    with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=64) as engine:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("the scheduler broke")
+
+        engine.scheduler.schedule = broken
+        handle = engine.submit([1, 2, 3], max_new_tokens=4, stop_token_ids=[])
+        with pytest.raises(RuntimeError, match="the scheduler broke"):
+            handle.result(timeout=60)
+        with pytest.raises(RuntimeError, match="the scheduler broke"):
+            iterate(handle)
+        assert not engine.is_running
 
 
 def test_bad_requests_and_a_budget(tiny):

@@ -11,10 +11,9 @@ never compiles.
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,48 +22,14 @@ from flax import nnx
 
 from jaxlm import ops
 from jaxlm.batching import step
+from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.batching.pages import PagePool
-from jaxlm.batching.scheduler import Batch, Scheduler, SequenceState
+from jaxlm.batching.scheduler import Batch, Scheduler
 from jaxlm.batching.step import TOP_LOGPROBS, Steps
 from jaxlm.engine import weights_bytes
 from jaxlm.memory import ExecutableMemory, format_bytes, parse_bytes
-from jaxlm.requests import Detokenizer, cut_at_stop, is_int, parse_request
+from jaxlm.requests import is_int, parse_request
 from jaxlm.sharding import mesh_of
-
-_DONE = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability, and the `top` most likely tokens' at its step as
-    `(token_id, logprob)` pairs, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """A finished request: its text (None without a tokenizer), token ids and why it ended
-    (`"stop"`, `"length"` or `"cancelled"`); with `logprobs=` at submit, one `TokenLogprob` per
-    token."""
-
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str
-    prompt_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclasses.dataclass
-class Delta:
-    """What a request produced since the last `RequestHandle.deltas()`: new text, the tokens
-    sampled meanwhile and their log-probabilities (None unless asked for)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,123 +51,6 @@ class EngineStats:
     generated_tokens: int
     preemptions: int
     finished: int
-
-
-class RequestHandle:
-    """A submitted request: iterate it for its text as it is generated, or wait for `result()`.
-
-    Example:
-        >>> handle = engine.submit("Once upon a time", max_new_tokens=32)
-        >>> for piece in handle:
-        ...     print(piece, end="")
-        >>> handle.result().finish_reason
-
-    A program on an event loop passes `on_update` to `submit` instead: the engine's thread calls
-    it whenever there is something new, and `deltas()` takes it without waiting.
-    """
-
-    def __init__(
-        self, engine: LLMEngine, seq: SequenceState, req, tokenizer, top_logprobs, on_update
-    ):
-        self._engine = engine
-        self.seq = seq
-        self._req = req
-        self._tokenizer = tokenizer
-        self._pieces: queue.Queue = queue.Queue()
-        self._detokenizer = Detokenizer(tokenizer, req.stop) if tokenizer is not None else None
-        self._done = threading.Event()
-        self._result: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._on_update = on_update
-        self._deltas: list[Delta] = []
-        self._sent = 0  # tokens handed out in deltas so far
-        self._top = top_logprobs
-        self.logprobs: list[TokenLogprob] | None = None if top_logprobs is None else []
-        # When each token arrived (`time.perf_counter()`), for latency figures.
-        self.token_times: list[float] = []
-
-    def _tokens(self) -> list[int]:
-        ids = list(self.seq.output)
-        if ids and ids[-1] in self._req.stop_ids:
-            ids.pop()
-        return ids
-
-    def _add_logprobs(self, chosen, ids, top) -> None:
-        pairs = tuple(zip(ids[: self._top].tolist(), top[: self._top].tolist(), strict=True))
-        self.logprobs.append(TokenLogprob(self.seq.output[-1], float(chosen), pairs))
-
-    def _step(self, finished: bool) -> bool:
-        """Take the sequence's new tokens; whether a stop string ended it."""
-        ids = self._tokens()
-        if self._detokenizer is None:
-            self._emit("", ids)
-            if finished:
-                self._finish(None, ids, self.seq.finish_reason)
-            return False
-        piece = self._detokenizer.update(ids, final=finished)
-        if piece:
-            self._pieces.put(piece)
-        stopped = self._detokenizer.finished and not finished
-        if finished or stopped:
-            text, ids, cut = cut_at_stop(self._tokenizer, ids, self._req.stop)
-            self._emit(piece, ids)
-            self._finish(text, ids, "stop" if cut or stopped else self.seq.finish_reason)
-        elif piece:
-            self._emit(piece, ids)
-        return stopped
-
-    def _emit(self, text: str, ids: list[int]) -> None:
-        new = ids[self._sent :]
-        if not text and not new:
-            return
-        logprobs = None if self.logprobs is None else self.logprobs[self._sent : len(ids)]
-        self._deltas.append(Delta(text, new, logprobs))
-        self._sent = max(self._sent, len(ids))
-        if self._on_update is not None:
-            self._on_update()
-
-    def _finish(self, text, ids, reason) -> None:
-        logprobs = None if self.logprobs is None else self.logprobs[: len(ids)]
-        self._result = RequestOutput(text, ids, reason, list(self.seq.prompt), logprobs)
-        self._pieces.put(_DONE)
-        self._done.set()
-        if self._on_update is not None:
-            self._on_update()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._pieces.put(_DONE)
-        self._done.set()
-        if self._on_update is not None:
-            self._on_update()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def deltas(self) -> list[Delta]:
-        """What the request produced since the last call, without waiting; once `done`, the
-        `result()` follows the last of them."""
-        with self._engine._lock:
-            out, self._deltas = self._deltas, []
-        return out
-
-    def __iter__(self) -> Iterator[str]:
-        while (piece := self._pieces.get()) is not _DONE:
-            yield piece
-        if self._error is not None:
-            raise self._error
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the request did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def cancel(self) -> None:
-        """Stop the request at the next step; its slot and pages are freed."""
-        self._engine._cancel(self)
 
 
 class LLMEngine:
@@ -338,32 +186,36 @@ class LLMEngine:
         return self._steps.compile(self._state, jax.eval_shape(lambda: self._zeros(num_pages)))
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._closed and not self.scheduler.has_work():
-                    self._wake.wait()
-                if self._closed:
-                    return
-                batch = self.scheduler.schedule(self.decode_steps)
-                if not batch.chunks:
-                    continue
-                requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
-                logprobs = {i for i in requests if self._handles[i].logprobs is not None}
-                width, inputs = self._steps.inputs(batch, requests, logprobs)
-                rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
-            try:
-                self.pages, out = self.compiled[width](self._state, self.pages, inputs)
-                out = np.asarray(out)
-                self.calls += 1
-                with self._wake:
-                    for tokens, *logprobs in step.unpack(out):
-                        sampled = {i: int(tokens[r]) for i, r in rows.items()}
-                        self._record(batch, sampled, logprobs, rows)
-                        batch = self.scheduler.next_steps(batch)
-                        rows = {c.seq.id: c.seq.slot for c in batch.chunks}
-            except BaseException as error:  # the engine cannot go on: fail every request
-                self._fail_all(error)
-                return
+        try:
+            while self._call():
+                pass
+        except BaseException as error:  # the engine cannot go on: fail every request
+            self._fail_all(error)
+
+    def _call(self) -> bool:
+        """Schedule, run and record one XLA call; False once the engine is closed."""
+        with self._wake:
+            while not self._closed and not self.scheduler.has_work():
+                self._wake.wait()
+            if self._closed:
+                return False
+            batch = self.scheduler.schedule(self.decode_steps)
+            if not batch.chunks:
+                return True
+            requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
+            logprobs = {i for i in requests if self._handles[i].logprobs is not None}
+            width, inputs = self._steps.inputs(batch, requests, logprobs)
+            rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
+        self.pages, out = self.compiled[width](self._state, self.pages, inputs)
+        out = np.asarray(out)
+        self.calls += 1
+        with self._wake:
+            for tokens, *logprobs in step.unpack(out):
+                sampled = {i: int(tokens[r]) for i, r in rows.items()}
+                self._record(batch, sampled, logprobs, rows)
+                batch = self.scheduler.next_steps(batch)
+                rows = {c.seq.id: c.seq.slot for c in batch.chunks}
+        return True
 
     def _record(self, batch: Batch, sampled: dict[int, int], logprobs, rows) -> None:
         """Hand a step's tokens to the scheduler and to the requests still waiting for them."""

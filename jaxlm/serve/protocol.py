@@ -15,7 +15,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from jaxlm.batching.engine import TOP_LOGPROBS, RequestOutput, TokenLogprob
+from jaxlm.batching.handle import RequestOutput, TokenLogprob
+from jaxlm.batching.step import TOP_LOGPROBS
 from jaxlm.requests import is_int
 
 # The most choices one request may ask for (`n`, times the prompts of a completion).
