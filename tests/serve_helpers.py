@@ -80,6 +80,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc, url: str, timeout: float) -> None:
+    """Wait for the server `proc` started to answer `/health` with 200, while it runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"no answer from {url} within {timeout} s"
+        time.sleep(0.2)
+
+
 # Hostile bodies: (path, raw body, the status and the `param` the error must name).
 GOOD = b'{"model": "tiny", "prompt": %s, "max_tokens": 2}'
 CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": %s}], "max_tokens": 2}'

@@ -17,6 +17,7 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import free_port, wait_until_healthy
 
 import jaxlm
 from jaxlm.serve import create_app
@@ -366,12 +367,6 @@ def test_a_full_queue_answers_429_and_keeps_serving(served):
     assert pages_in_use(engine) == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_signals_stop_the_server_cleanly(tiny_chat, sig, code):
     port = free_port()
@@ -382,16 +377,7 @@ def test_signals_stop_the_server_cleanly(tiny_chat, sig, code):
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, timeout=240)
         body = {"prompt": "Hello", "max_tokens": 240, "stream": True, "temperature": 0}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
