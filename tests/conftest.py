@@ -84,47 +84,33 @@ def _audit_open(event: str, args: tuple) -> None:
 sys.addaudithook(_audit_open)
 
 
-# The two workers (`--dist loadgroup`, pyproject.toml) take a file at a time, so that its module
-# fixtures load once, the slowest first so that both finish together. A test that shares no
-# fixture of its file's (a notebook, in a kernel of its own) is a unit of its own. Seconds per
-# unit in a run of the whole suite on 2 cores, from its `--durations=0`; the others take less.
-UNIT_SECONDS = {
-    "tests/test_llm_engine.py": 240,
-    "tests/test_moe.py": 220,
-    "tests/test_sharding.py": 200,
-    "tests/test_families.py": 200,
-    "tests/test_multihost.py": 180,
-    "tests/test_notebooks.py::test_notebook_runs[gil]": 160,
-    "tests/test_notebooks.py::test_notebook_runs[memory_plan]": 150,
-    "tests/test_cli.py": 130,
-    "tests/test_serve.py": 130,
-    "tests/test_int8.py": 130,
-    "tests/test_plan.py": 120,
-    "tests/test_bench.py": 110,
-    "tests/test_reliability.py": 100,
-    "tests/test_paged.py": 100,
-    "tests/test_gguf.py": 80,
-    "tests/test_models.py": 80,
-    "tests/test_sampling.py": 80,
-    "tests/test_notebooks.py::test_notebook_runs[quickstart]": 70,
-    "tests/test_notebooks.py::test_notebook_runs[batching]": 70,
-    "tests/test_serve_attack.py": 60,
-    "tests/test_phi3.py": 60,
-    "tests/test_generate.py": 60,
+# The two workers (`--dist loadfile`, pyproject.toml) take a file at a time, so that its module
+# fixtures load once, the slowest first so that both finish together. Seconds per file in a run
+# of the whole suite on 2 cores, from its `--durations=0`; the others take less.
+FILE_SECONDS = {
+    "test_sharding.py": 200,
+    "test_plan.py": 190,
+    "test_notebooks.py": 175,
+    "test_serve.py": 145,
+    "test_multihost.py": 140,
+    "test_llm_engine.py": 135,
+    "test_moe.py": 115,
+    "test_int8.py": 105,
+    "test_cli.py": 95,
+    "test_bench.py": 85,
+    "test_families.py": 85,
+    "test_generate.py": 60,
+    "test_reliability.py": 50,
+    "test_models.py": 40,
+    "test_default_model.py": 30,
+    "test_phi3.py": 30,
+    "test_gguf.py": 30,
+    "test_paged.py": 25,
 }
-INDEPENDENT_TESTS = ("tests/test_notebooks.py::test_notebook_runs",)
 
 
-def _unit(item: pytest.Item) -> str:
-    return item.nodeid if item.nodeid.startswith(INDEPENDENT_TESTS) else item.nodeid.split("::")[0]
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # Before xdist's own hook, which reads the groups.
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_unit(item)))
-    items.sort(key=lambda item: -UNIT_SECONDS.get(_unit(item), 0))
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
 
 
 @pytest.fixture(scope="session", autouse=True)
