@@ -27,6 +27,10 @@ class Request:
     stop_ids: np.ndarray
     stop: tuple[str, ...]
     seed: int
+    # OpenAI's penalties and `logit_bias` as `(token_id, bias)` pairs, which `LLMEngine` takes.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def _per_row(name: str, value, n: int, default, dtype, check, limit: str) -> np.ndarray:
@@ -80,6 +84,50 @@ def check_sampling(**values) -> None:
     command line refuses `--top-p 2` before it loads anything."""
     for name, value in values.items():
         _per_row(name, value, 1, *_CHECKS[name])
+
+
+# OpenAI's limits of its penalties and of a `logit_bias` entry; the most entries of a request's
+# `logit_bias`, which a step takes as a fixed-shape list of ids and values.
+PENALTY_RANGE = 2.0
+BIAS_RANGE = 100.0
+MAX_LOGIT_BIAS = 300
+
+
+def check_penalties(
+    vocab_size: int, presence_penalty, frequency_penalty, logit_bias
+) -> tuple[float, float, tuple[tuple[int, float], ...]]:
+    """OpenAI's `presence_penalty`, `frequency_penalty` (each in [-2, 2]) and `logit_bias` (token
+    ids, or their strings as JSON keys are, to a bias in [-100, 100]) checked; the bias as
+    `(token_id, bias)` pairs."""
+    check = lambda v: math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE
+    limit = f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]"
+    presence = _per_row("presence_penalty", presence_penalty, 1, 0.0, np.float32, check, limit)
+    frequency = _per_row("frequency_penalty", frequency_penalty, 1, 0.0, np.float32, check, limit)
+    logit_bias = logit_bias or {}
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"`logit_bias` must map token ids to numbers, got {logit_bias!r}")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(
+            f"`logit_bias` holds at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}"
+        )
+    pairs = []
+    for key, value in logit_bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not is_int(token) or not 0 <= token < vocab_size:
+            raise ValueError(
+                f"`logit_bias` keys must be token ids in [0, {vocab_size}), got {key!r}"
+            )
+        bias = _per_row(
+            "logit_bias",
+            value,
+            1,
+            0.0,
+            np.float32,
+            lambda v: -BIAS_RANGE <= v <= BIAS_RANGE,
+            f"values must be in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}]",
+        )
+        pairs.append((int(token), float(bias[0])))
+    return float(presence[0]), float(frequency[0]), tuple(pairs)
 
 
 def _prompt_ids(tokenizer, prompts) -> tuple[list[list[int]], bool]:

@@ -316,3 +316,44 @@ def sample(
         return jnp.where(argmax_rows, greedy, drawn)
 
     return lax.cond(jnp.all(argmax_rows), lambda _: greedy, draw, None)
+
+
+def penalize_counts(
+    logits: jax.Array, counts: jax.Array, presence: jax.Array, frequency: jax.Array
+) -> jax.Array:
+    """OpenAI's presence and frequency penalties: each token's logit less `frequency` times the
+    number of times it was generated, and less `presence` once if it was at all.
+
+    Args:
+        logits: [B, V] float.
+        counts: [B, V] int, how many times each token was generated.
+        presence, frequency: [B] float; 0 is off, negative values favour repetition.
+    """
+    counts = counts.astype(logits.dtype)
+    seen = (counts > 0).astype(logits.dtype)
+    return (
+        logits
+        - frequency[:, None].astype(logits.dtype) * counts
+        - presence[:, None].astype(logits.dtype) * seen
+    )
+
+
+def add_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """`logits` with `bias[b, j]` added to token `ids[b, j]` ([B, N] each), as OpenAI's
+    `logit_bias`; an id outside the vocabulary (padding) adds nothing."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(bias.astype(logits.dtype), mode="drop")
+
+
+def apply_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """`logits` with `-inf` at every token a row's bitmask leaves out.
+
+    Args:
+        logits: [B, V] float.
+        mask: [B, ceil(V / 32)] int32; token `i` is allowed where bit `i % 32` of word `i // 32`
+            is set, the layout `llguidance` fills.
+    """
+    B, V = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, words, 32]
+    allowed = bits.reshape(B, -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits, _neg_inf(logits))

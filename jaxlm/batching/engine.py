@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +26,10 @@ from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.scheduler import Batch, Scheduler
 from jaxlm.batching.step import TOP_LOGPROBS, Steps
+from jaxlm.constrain import Grammars, grammar_of
 from jaxlm.engine import weights_bytes
 from jaxlm.memory import ExecutableMemory, format_bytes, parse_bytes
-from jaxlm.requests import is_int, parse_request
+from jaxlm.requests import check_penalties, is_int, parse_request
 from jaxlm.sharding import mesh_of
 
 
@@ -51,6 +52,9 @@ class EngineStats:
     generated_tokens: int
     preemptions: int
     finished: int
+    # Token bitmasks filled for rows with a grammar, and the host's seconds filling them.
+    grammar_masks: int = 0
+    grammar_mask_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -140,6 +144,10 @@ class LLMEngine:
         self.generated_tokens = 0
         self.finished = 0
         self._handles: dict[int, RequestHandle] = {}
+        # Grammars compile for the tokenizer on the first constrained request.
+        self._grammars: Grammars | None = None
+        self._mask: np.ndarray | None = None
+        self.grammar_masks, self.grammar_mask_seconds = 0, 0.0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -204,7 +212,11 @@ class LLMEngine:
                 return True
             requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
             logprobs = {i for i in requests if self._handles[i].logprobs is not None}
-            width, inputs = self._steps.inputs(batch, requests, logprobs)
+            if batch.steps > 1 and any(_one_step(self._handles[i]) for i in requests):
+                # Its pages for the steps not run serve the next calls.
+                batch = dataclasses.replace(batch, steps=1)
+            mask = self._fill_masks(batch)
+            width, inputs = self._steps.inputs(batch, requests, logprobs, mask)
             rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
         self.pages, out = self.compiled[width](self._state, self.pages, inputs)
         out = np.asarray(out)
@@ -217,6 +229,24 @@ class LLMEngine:
                 rows = {c.seq.id: c.seq.slot for c in batch.chunks}
         return True
 
+    def _fill_masks(self, batch: Batch) -> np.ndarray | None:
+        """The token bitmask of every row, where a row that samples in `batch` has a grammar."""
+        rows = [
+            (m, c.seq.slot)
+            for c in batch.chunks
+            if c.sample and (m := self._handles[c.seq.id]._matcher) is not None
+        ]
+        if not rows:
+            return None
+        if self._mask is None:
+            self._mask = np.empty((self.max_num_seqs, self._steps.mask_words), np.int32)
+        self._mask.fill(-1)
+        start = time.perf_counter()
+        self._grammars.fill(rows, self._mask)
+        self.grammar_mask_seconds += time.perf_counter() - start
+        self.grammar_masks += len(rows)
+        return self._mask
+
     def _record(self, batch: Batch, sampled: dict[int, int], logprobs, rows) -> None:
         """Hand a step's tokens to the scheduler and to the requests still waiting for them."""
         now = time.perf_counter()
@@ -228,6 +258,10 @@ class LLMEngine:
         sampled = {i: t for i, t in sampled.items() if i in self._handles}
         self.generated_tokens += len(sampled)
         stop = {i: t in self._handles[i]._req.stop_ids for i, t in sampled.items()}
+        for i, t in sampled.items():
+            # A grammar complete ends its request, as a stop token does.
+            if (m := self._handles[i]._matcher) is not None and m.advance(t):
+                stop[i] = True
         finished = {s.id for s in self.scheduler.update(batch, sampled, stop)}
         for i in sampled:
             handle = self._handles[i]
@@ -296,6 +330,8 @@ class LLMEngine:
                 generated_tokens=self.generated_tokens,
                 preemptions=s.preemptions,
                 finished=self.finished,
+                grammar_masks=self.grammar_masks,
+                grammar_mask_seconds=self.grammar_mask_seconds,
             )
 
     # Requests.
@@ -316,6 +352,10 @@ class LLMEngine:
         logprobs: int | None = None,
         on_update: Callable[[], None] | None = None,
         group: Hashable = None,
+        response_format=None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping | None = None,
     ) -> RequestHandle:
         """Queue one request (a string or token ids); returns its handle at once.
 
@@ -324,7 +364,18 @@ class LLMEngine:
         log-probability and the `k` (at most `TOP_LOGPROBS`) most likely tokens' at its step.
         `on_update` is called from the engine's thread whenever the handle has new deltas or
         has ended; it must not block. Requests submitted with one `group` (the choices of one
-        HTTP request) share the batch's slots with other groups as one (see `Scheduler`)."""
+        HTTP request) share the batch's slots with other groups as one (see `Scheduler`).
+
+        `response_format` holds the output to a grammar: OpenAI's `{"type": "json_object"}` or
+        `{"type": "json_schema", ...}`, a Pydantic model class or a `jaxlm.constrain.Grammar`
+        (JSON schema, regular expression, choices, Lark); the request stops (`"stop"`) when
+        the grammar is complete. `presence_penalty`, `frequency_penalty` (over the tokens
+        generated, in [-2, 2]) and `logit_bias` (`{token_id: bias in [-100, 100]}`) are
+        OpenAI's. A request with a grammar or either penalty runs one decode step a call.
+
+        Example:
+            >>> h = engine.submit("JSON: ", max_new_tokens=64, response_format=MyModel)
+            >>> MyModel.model_validate_json(h.result().text)"""
         if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
             raise ValueError(
                 f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}"
@@ -347,11 +398,22 @@ class LLMEngine:
         if len(req.prompts) != 1:
             raise ValueError("`submit` takes one prompt; submit each of several on its own")
         req.stop_ids = frozenset(int(t) for t in req.stop_ids if t >= 0)
+        req.presence_penalty, req.frequency_penalty, req.logit_bias = check_penalties(
+            self.model.config.vocab_size, presence_penalty, frequency_penalty, logit_bias
+        )
+        grammar, matcher = grammar_of(response_format), None
+        if grammar is not None:
+            with self._wake:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+            # Compiling takes a while for a large schema: not under the engine's lock.
+            matcher = self._grammars.matcher(grammar)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
             seq = self.scheduler.submit(req.prompts[0], max_new_tokens, group)
             handle = RequestHandle(self, seq, req, self.tokenizer, logprobs, on_update)
+            handle._matcher = matcher
             self._handles[seq.id] = handle
             self._wake.notify()
         return handle
@@ -384,3 +446,10 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _one_step(handle: RequestHandle) -> bool:
+    """Whether a request's next token depends on the host after each step: a grammar's mask
+    does, and the counts of its tokens that the penalties read."""
+    req = handle._req
+    return handle._matcher is not None or bool(req.presence_penalty or req.frequency_penalty)

@@ -77,6 +77,8 @@ class RequestHandle:
         self._deltas: list[Delta] = []
         self._sent = 0  # tokens handed out in deltas so far
         self._top = top_logprobs
+        # The request's place in its grammar (`jaxlm.constrain.Matcher`), set by the engine.
+        self._matcher = None
         self.logprobs: list[TokenLogprob] | None = None if top_logprobs is None else []
         # When each token arrived (`time.perf_counter()`), for latency figures.
         self.token_times: list[float] = []

@@ -26,7 +26,7 @@ from flax import nnx
 from jaxlm import sampling
 from jaxlm.batching.scheduler import Batch
 from jaxlm.engine import SAMPLING_FIELDS
-from jaxlm.requests import Request
+from jaxlm.requests import MAX_LOGIT_BIAS, Request
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
 # The most alternatives a request can ask log-probabilities of, as OpenAI allows.
@@ -85,6 +85,13 @@ class Steps:
         self.buckets, self.decode_steps = buckets, decode_steps
         self.layouts = {w: HostPack(self._spec(w)) for w in (0, *buckets)}
         self._unseen = np.zeros((rows, vocab_size), bool)
+        self._uncounted = np.zeros((rows, vocab_size), np.int32)
+
+    @property
+    def mask_words(self) -> int:
+        """The int32 words of a row's token bitmask: one bit per vocabulary entry, as
+        `llguidance` fills it."""
+        return -(-self.vocab_size // 32)
 
     def _spec(self, width: int) -> dict:
         sds = jax.ShapeDtypeStruct
@@ -104,6 +111,15 @@ class Steps:
             keys=sds((rows, 2), jnp.uint32),
             generated=sds((rows,), jnp.int32),
             seen=sds((rows, vocab), jnp.bool_),
+            # OpenAI's penalties over each row's generated tokens (a row with either runs one
+            # step a call: `counts` is not fed back), and its `logit_bias`.
+            penalties=dict(presence=sds((rows,), jnp.float32), frequency=sds((rows,), jnp.float32)),
+            counts=sds((rows, vocab), jnp.int32),
+            bias_ids=sds((rows, MAX_LOGIT_BIAS), jnp.int32),
+            bias=sds((rows, MAX_LOGIT_BIAS), jnp.float32),
+            # Whether any row carries a grammar: without one, the mask is not read.
+            masked=sds((), jnp.bool_),
+            mask=sds((rows, self.mask_words), jnp.int32),
             logprobs=sds((), jnp.bool_),
         )
         if width:
@@ -165,11 +181,21 @@ class Steps:
 
     # The host's side.
 
-    def inputs(self, batch: Batch, requests: Mapping[int, Request], logprobs: set[int]):
+    def inputs(
+        self,
+        batch: Batch,
+        requests: Mapping[int, Request],
+        logprobs: set[int],
+        mask: np.ndarray | None = None,
+    ):
         """The width of `batch`'s step and its inputs packed, given each sequence's `Request`
-        by id and the ids that want log-probabilities."""
+        by id, the ids that want log-probabilities and, where a row carries a grammar, the
+        token bitmask of every row [rows, `mask_words`] (all bits set in rows without one)."""
         rows, per_seq = self.rows, self.pages_per_seq
-        seen = self._unseen
+        seen, counts = self._unseen, self._uncounted
+        penalties = {n: np.zeros((rows,), np.float32) for n in ("presence", "frequency")}
+        bias_ids = np.full((rows, MAX_LOGIT_BIAS), self.vocab_size, np.int32)
+        bias = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
         decode = dict(
             input_ids=np.zeros((rows, 1), np.int32),
             positions=np.full((rows, 1), -1, np.int32),
@@ -212,8 +238,19 @@ class Steps:
                 if seen is self._unseen:
                     seen = np.zeros_like(self._unseen)
                 seen[r, seq.tokens] = True
+            penalties["presence"][r] = req.presence_penalty
+            penalties["frequency"][r] = req.frequency_penalty
+            if c.sample and (req.presence_penalty or req.frequency_penalty) and seq.output:
+                if counts is self._uncounted:
+                    counts = np.zeros_like(self._uncounted)
+                counts[r] = np.bincount(seq.output, minlength=self.vocab_size)
+            for j, (token, value) in enumerate(req.logit_bias):
+                bias_ids[r, j], bias[r, j] = token, value
         want = any(c.sample and c.seq.id in logprobs for c in batch.chunks)
         x = dict(decode=decode, params=params, keys=keys, generated=generated, seen=seen)
+        x.update(penalties=penalties, counts=counts, bias_ids=bias_ids, bias=bias)
+        x["masked"] = np.bool_(mask is not None)
+        x["mask"] = np.zeros((rows, self.mask_words), np.int32) if mask is None else mask
         x["logprobs"] = np.bool_(want)
         if chunk is not None:
             x["chunk"] = chunk
@@ -243,14 +280,34 @@ def buckets(max_tokens: int) -> tuple[int, ...]:
 
 
 def _sample(logits, x, generated, seen):
-    """Each row's next token, and with `x["logprobs"]`, its log-probabilities (else zeros)."""
-    params = x["params"]
+    """Each row's next token, and with `x["logprobs"]`, its log-probabilities (else zeros).
+
+    The logits are penalized (repetition, then presence and frequency), biased and masked by
+    the rows' grammars in that order; each stage runs only where some row asks for it."""
+    params, penalties = x["params"], x["penalties"]
     penalty = params["repetition_penalty"]
+    presence, frequency = penalties["presence"], penalties["frequency"]
+    keep = lambda v: v
     penalized = jax.lax.cond(
         jnp.any(penalty != 1.0),
         lambda v: sampling.penalize_seen(v, seen, penalty),
-        lambda v: v,
+        keep,
         logits,
+    )
+    penalized = jax.lax.cond(
+        jnp.any((presence != 0) | (frequency != 0)),
+        lambda v: sampling.penalize_counts(v, x["counts"], presence, frequency),
+        keep,
+        penalized,
+    )
+    penalized = jax.lax.cond(
+        jnp.any(x["bias_ids"] < logits.shape[-1]),
+        lambda v: sampling.add_bias(v, x["bias_ids"], x["bias"]),
+        keep,
+        penalized,
+    )
+    penalized = jax.lax.cond(
+        x["masked"], lambda v: sampling.apply_bitmask(v, x["mask"]), keep, penalized
     )
     # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
     keys = jax.vmap(jax.random.fold_in)(x["keys"], generated)
