@@ -255,7 +255,7 @@ def _serve(args) -> None:
         prefix_cache=not args.no_prefix_cache,
         decode_steps=args.decode_steps,
     )
-    print(f"{engine.describe()}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"{engine.plan}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(engine, name, host=args.host, port=args.port, grace=args.shutdown_grace)
 
 

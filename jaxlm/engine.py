@@ -203,7 +203,9 @@ class Engine:
 
     def declarations(self, model_module=None):
         model = nnx.merge(self.graphdef, self.params) if model_module is None else model_module
-        return [*declarations(model), *declarations(self.decode_state, prefix=("decode",))]
+        # The paged KV cache is the serving engine's (`jaxlm.batching.plan`).
+        own = [(path, spec) for path, spec in declarations(model) if not spec.paged]
+        return [*own, *declarations(self.decode_state, prefix=("decode",))]
 
     def abstract_inputs(self, batch: int, prompt_len: int):
         i32, f32 = jnp.int32, jnp.float32

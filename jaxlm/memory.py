@@ -32,7 +32,10 @@ from jax.sharding import NamedSharding
 
 from jaxlm.errors import PlanError
 
-PLAN_DIMS = ("batch", "seq")
+PLAN_DIMS = ("batch", "seq", "num_pages", "page_size")
+# The dimensions of the serving engine's paged KV cache (`jaxlm.batching.plan`); slots over them
+# belong to its plan, the others to `generate`'s.
+PAGED_DIMS = frozenset({"num_pages", "page_size"})
 # XLA:CPU aligns every buffer to 64 bytes; each slot is its own buffer, so offsets are all 0.
 ALIGNMENT = 64
 
@@ -65,6 +68,17 @@ class ScratchSpec:
             for d in entry if isinstance(entry, tuple) else (entry,):
                 if isinstance(d, str) and d not in PLAN_DIMS:
                     raise ValueError(f"unknown plan dimension {d!r}; use one of {PLAN_DIMS}")
+
+    @property
+    def dims(self) -> frozenset[str]:
+        """The plan dimensions the shape names."""
+        entries = (e if isinstance(e, tuple) else (e,) for e in self.shape)
+        return frozenset(d for e in entries for d in e if isinstance(d, str))
+
+    @property
+    def paged(self) -> bool:
+        """Whether the slot is the engine's paged KV cache (its shape names `PAGED_DIMS`)."""
+        return bool(self.dims & PAGED_DIMS)
 
     def replace(self, **changes) -> ScratchSpec:
         return dataclasses.replace(self, **changes)

@@ -391,14 +391,19 @@ def write_kv(scratch: dict, k: jax.Array, v: jax.Array, index: jax.Array) -> dic
     }
 
 
-def paged_kv_shapes(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
-    """The shapes of one layer's paged K and V caches: keys `[pages, kv_heads, head_dim,
-    page_size]` and values `[pages, kv_heads, page_size, head_dim]`, so that a sequence's pages
-    gathered in order are `kv_cache_specs`' layouts, and attention reads them as it reads a
-    contiguous cache."""
+def paged_kv_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
+    """The declared paged K and V caches of one attention layer: keys `[num_pages, kv_heads,
+    head_dim, page_size]` and values `[num_pages, kv_heads, page_size, head_dim]`, so that a
+    sequence's pages gathered in order are `kv_cache_specs`' layouts, and attention reads them
+    as it reads a contiguous cache. On a mesh the pages split by KV head over `model`."""
+    axes = (None, "kv_heads", None, None)
     return (
-        (num_pages, num_kv_heads, head_dim, page_size),
-        (num_pages, num_kv_heads, page_size, head_dim),
+        ScratchSpec(
+            ("num_pages", num_kv_heads, head_dim, "page_size"), dtype, axes=axes, doc="key pages"
+        ),
+        ScratchSpec(
+            ("num_pages", num_kv_heads, "page_size", head_dim), dtype, axes=axes, doc="value pages"
+        ),
     )
 
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import functools
 import gc
-import html
 import threading
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxlm.batching.plan import plan_engine
+from jaxlm.bill import Bill
 from jaxlm.engine import DEFAULT_PREFILL_CHUNK, Engine, compile_steps, engine_of, weights_bytes
 from jaxlm.errors import PlanError
 from jaxlm.memory import (
-    ALIGNMENT,
     ExecutableMemory,
     Layout,
     format_bytes,
@@ -38,7 +38,7 @@ def _settled_resident_bytes() -> int | None:
     return resident_bytes()
 
 
-class Plan:
+class Plan(Bill):
     """The scratch of one model for `max_batch` rows of `max_seq_len` tokens, and its bill.
 
     Attributes: `max_batch`, `max_seq_len`, `prefill_chunk`, `layout` (the slots),
@@ -100,10 +100,6 @@ class Plan:
     @property
     def scratch_bytes(self) -> int:
         return self.layout.device_nbytes
-
-    @property
-    def temp_bytes(self) -> int:
-        return max(e.temp for e in self.executables.values())
 
     @property
     def total_bytes(self) -> int:
@@ -233,64 +229,22 @@ class Plan:
         )
         return scratch, logits[: tokens.shape[0]]
 
-    # Reporting.
+    # Reporting (`jaxlm.bill.Bill`).
 
-    def _rows(self) -> list[tuple[str, ...]]:
-        rows = []
-        for slot in self.layout.slots:
-            dtype = str(slot.dtype)
-            if slot.dtype != slot.spec.dtype:
-                dtype = f"{slot.spec.dtype} as {slot.dtype}"
-            buffer = f"own buffer @0 (align {ALIGNMENT})"
-            if self.mesh is not None:
-                shape = ", ".join(map(str, slot.shard_shape))
-                buffer = f"[{shape}] per device, {slot.sharding.spec}"
-            rows.append(
-                (
-                    slot.owner or "-",
-                    slot.name,
-                    "[" + ", ".join(map(str, slot.shape)) + "]",
-                    dtype,
-                    format_bytes(slot.device_nbytes),
-                    buffer,
-                )
-            )
-        return rows
-
-    def _where(self) -> str:
-        if self.mesh is None:
-            return f"device={jax.devices()[0]}"
-        axes = " x ".join(f"{name}={size}" for name, size in self.mesh.shape.items())
-        kv = (
-            ", KV heads replicated over `model`"
-            if self.engine.partitioner.kv_heads_replicated
-            else ""
+    def _header(self) -> str:
+        return (
+            f"Plan: max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
+            f"prefill_chunk={self.prefill_chunk}, {self._where(self.engine.partitioner)}"
         )
-        return f"mesh {axes} ({self.mesh.size} devices{kv}; bytes are per device)"
 
-    def _totals(self) -> list[tuple[str, str]]:
-        lines = [
-            ("weights", format_bytes(self.weights_bytes)),
-            (f"scratch ({len(self.layout.slots)} slots)", format_bytes(self.scratch_bytes)),
-        ]
-        for e in self.executables.values():
-            lines.append(
-                (
-                    f"XLA `{e.name}`",
-                    f"arguments {format_bytes(e.argument)}, outputs {format_bytes(e.output)}, "
-                    f"aliased {format_bytes(e.alias)}, temporaries {format_bytes(e.temp)}, "
-                    f"peak {format_bytes(e.peak)}",
-                )
-            )
-        lines.append(("whole bill (peak)", format_bytes(self.total_bytes)))
+    def _extra_totals(self) -> list[tuple[str, str]]:
+        lines = []
         if self.executables_host_bytes is not None:
             lines.append(
                 ("compiled steps (host memory)", format_bytes(self.executables_host_bytes))
             )
         if self.resident_bytes is not None:
             lines.append(("resident while running", format_bytes(self.resident_bytes)))
-        if self.budget is not None:
-            lines.append(("budget", format_bytes(self.budget)))
         return lines
 
     def __repr__(self) -> str:
@@ -300,77 +254,23 @@ class Plan:
             f"total={format_bytes(self.total_bytes)}{per_device})"
         )
 
-    def __str__(self) -> str:
-        header = ("owner", "slot", "shape", "dtype", "bytes", "buffer")
-        rows = [header, *self._rows()]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = [
-            f"Plan: max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
-            f"prefill_chunk={self.prefill_chunk}, {self._where()}"
-        ]
-        for i, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.append("")
-        lines.extend(f"{k}: {v}" for k, v in self._totals())
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        esc = html.escape
-        head = "".join(
-            f"<th>{h}</th>" for h in ("owner", "slot", "shape", "dtype", "bytes", "buffer")
-        )
-        body = "".join(
-            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._rows()
-        )
-        totals = "".join(
-            f"<tr><th style='text-align:left'>{esc(k)}</th><td>{esc(v)}</td></tr>"
-            for k, v in self._totals()
-        )
-        return (
-            f"<b>{esc(repr(self))}</b><table><thead><tr>{head}</tr></thead>"
-            f"<tbody>{body}</tbody></table><table>{totals}</table>"
-        )
-
-    def plot(self, ax=None):
-        """Draw the bill: a bar per buffer kind, scratch slots as segments; returns the axes."""
-        import matplotlib.pyplot as plt
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(9, 2.5 + 0.3 * len(self.executables)))
-        mib = 2**20
-        ax.barh("weights", self.weights_bytes / mib, color="tab:blue", label="weights")
-        left = 0.0
-        cmap = plt.get_cmap("Oranges")
-        for i, slot in enumerate(self.layout.slots):
-            shade = cmap(0.35 + 0.5 * (i % 2))
-            label = "scratch (slots alternate shades)" if i == 0 else None
-            size = slot.device_nbytes / mib
-            ax.barh("scratch", size, left=left, color=shade, linewidth=0, label=label)
-            left += size
-        for i, e in enumerate(self.executables.values()):
-            label = "XLA temporaries" if i == 0 else None
-            ax.barh(f"XLA temp ({e.name})", e.temp / mib, color="tab:green", label=label)
-        ax.axvline(self.total_bytes / mib, color="black", linestyle="--", label="whole bill")
-        if self.budget is not None:
-            ax.axvline(self.budget / mib, color="tab:red", label="budget")
-        ax.set_xlabel("MiB")
-        ax.set_title(repr(self))
-        ax.legend(loc="lower right")
-        return ax
-
 
 def plan(
     model: nnx.Module,
     *,
-    max_batch: int = 1,
+    max_batch: int | None = None,
     max_seq_len: int | None = None,
     budget: int | str | None = None,
     prefill_chunk: int | None = None,
-    steps: tuple[str, ...] = ("generate", "decode"),
+    steps: tuple[str, ...] | None = None,
+    max_num_seqs: int | None = None,
+    num_pages: int | None = None,
+    page_size: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    decode_steps: int | None = None,
 ):
-    """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing.
+    """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing;
+    with `max_num_seqs`, plan a serving engine's pages instead (below).
 
     The plan compiles the generation steps for these shapes and reads XLA's memory analysis, so
     `plan.total_bytes` is the whole bill: weights + scratch + XLA's temporaries. With `budget`
@@ -392,7 +292,43 @@ def plan(
         >>> plan = jaxlm.plan(model, max_batch=4, max_seq_len=2048)
         >>> print(plan)                  # slots, bytes, XLA temporaries, the whole bill
         >>> scratch = plan.allocate()    # the one allocation of scratch
+
+    With `max_num_seqs`, the plan is an `LLMEngine`'s (`jaxlm.batching.plan.EnginePlan`): the
+    pages the attention layers declare, `num_pages` of `page_size` tokens (16), or as many as
+    `budget` leaves; sequences of up to `max_seq_len` tokens (the model's context); and the
+    engine's step compiled for each prompt chunk width up to `max_num_batched_tokens` (256),
+    decoding `decode_steps` (4) tokens per call. Its bill is read from those executables too.
+
+        >>> plan = jaxlm.plan(model, max_num_seqs=8, budget="2GiB")
+        >>> plan.num_pages, plan.total_bytes     # fitted before any allocation
+        >>> engine = jaxlm.LLMEngine(model, tokenizer, plan)
     """
+    if max_num_seqs is not None:
+        static = dict(max_batch=max_batch, prefill_chunk=prefill_chunk, steps=steps)
+        given = [f"`{k}`" for k, v in static.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} size `generate`'s plan, not an engine's")
+        return plan_engine(
+            model,
+            max_num_seqs=max_num_seqs,
+            max_seq_len=max_seq_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            budget=budget,
+            max_num_batched_tokens=max_num_batched_tokens,
+            decode_steps=decode_steps,
+        )
+    paged = dict(
+        num_pages=num_pages,
+        page_size=page_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        decode_steps=decode_steps,
+    )
+    given = [f"`{k}`" for k, v in paged.items() if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} size an engine's plan: give `max_num_seqs` too")
+    max_batch = 1 if max_batch is None else max_batch
+    steps = ("generate", "decode") if steps is None else steps
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"`max_batch` must be a positive integer, got {max_batch!r}")
     limit = parse_bytes(budget) if budget is not None else None

@@ -16,7 +16,6 @@ import pytest
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
 from jaxlm.batching.step import HostPack
-from jaxlm.memory import ExecutableMemory
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +201,7 @@ def test_an_error_before_a_call_fails_every_request(tiny):
 
 def test_bad_requests_and_a_budget(tiny):
     with LLMEngine(tiny, max_num_seqs=2, page_size=4, budget="64MiB") as engine:
-        assert engine.total_bytes <= 64 << 20
+        assert engine.plan.total_bytes <= 64 << 20
         assert engine.pool.num_pages * 4 >= 2 * tiny.config.max_position_embeddings
         with pytest.raises(ValueError, match="`max_position_embeddings=128`"):
             engine.submit([1] * 100, max_new_tokens=40)
@@ -238,16 +237,17 @@ def test_a_host_pack_round_trips_every_dtype_through_a_jit():
 
 def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
     with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=400) as engine:
-        k_shape = engine.pages["layers"][0]["self_attn"]["k_pages"].shape
+        k_shape = engine.pages["model"]["layers"][0]["self_attn"]["k_pages"].shape
         shape = "f32[" + ",".join(map(str, k_shape)) + "]"
         assert set(engine.compiled) == {0, 16, 32, 64, 128, 256}
         # Ten times the pages: XLA aliases all of them, and the temporaries stay the same, so
         # they hold no copy of the pages.
-        more = {w: ExecutableMemory.of("", e) for w, e in engine._compile(4000).items()}
+        more = jaxlm.plan(tiny, max_num_seqs=2, page_size=4, num_pages=4000).executables
+        pages_bytes = engine.plan.scratch_bytes
         for width, executable in engine.compiled.items():
-            memory = engine.executables[width]
-            assert memory.alias >= engine.pages_bytes, width
-            assert more[width].alias >= 10 * engine.pages_bytes, width
+            memory = engine.plan.executables[width]
+            assert memory.alias >= pages_bytes, width
+            assert more[width].alias >= 10 * pages_bytes, width
             assert more[width].temp == memory.temp, width
             assert not re.search(rf"= {re.escape(shape)}\S* copy\(", executable.as_text()), width
         before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)]

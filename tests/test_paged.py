@@ -16,6 +16,7 @@ from test_families import family as family
 
 import jaxlm
 from jaxlm import ops
+from jaxlm.memory import Layout, declarations
 
 # Tables of 5 pages of 4 slots: attention reads 2, 4 or 5 of them as the rows fill.
 pytestmark = pytest.mark.usefixtures("small_buckets")
@@ -27,11 +28,10 @@ SCHEDULE = [[5, 1, 8], [8, 5, 1], [0, 1, 8]]
 
 
 def paged_cache(model) -> dict:
-    c = model.config
-    k, v = ops.paged_kv_shapes(NUM_PAGES, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
-    dtype = ops.storage_dtype(model.dtype)
-    layer = {"self_attn": {"k_pages": jnp.zeros(k, dtype), "v_pages": jnp.zeros(v, dtype)}}
-    return {"layers": {i: jax.tree.map(jnp.copy, layer) for i in range(c.num_hidden_layers)}}
+    # The pages the attention layers declare, laid out as an engine's plan lays them out.
+    decls = [(path, spec) for path, spec in declarations(model) if spec.paged]
+    dims = {"num_pages": NUM_PAGES, "page_size": PAGE_SIZE}
+    return Layout.build(decls, dims, ops.storage_dtype).allocate()
 
 
 def assert_paged_rows_equal_each_sequence_alone(model, hf):

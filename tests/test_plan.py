@@ -81,7 +81,11 @@ def test_declarations_are_static_and_abstract(tiny):
     kv = ("batch", config.num_key_value_heads)
     assert attn.k_cache.shape == (kv, config.head_dim, "seq")
     assert attn.v_cache.shape == (kv, "seq", config.head_dim)
-    assert len(real) == 2 * config.num_hidden_layers + 2
+    nkv, d = config.num_key_value_heads, config.head_dim
+    assert attn.k_pages.shape == ("num_pages", nkv, d, "page_size")
+    assert attn.v_pages.shape == ("num_pages", nkv, "page_size", d)
+    assert len(real) == 4 * config.num_hidden_layers + 2
+    assert sum(spec.paged for _, spec in real) == 2 * config.num_hidden_layers
     # Declaring allocates nothing: the model's state holds only its parameters.
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(tiny)))
     assert n_params == config.num_parameters()
@@ -217,9 +221,13 @@ def test_report(tiny):
 
     matplotlib.use("Agg")
     ax = plan.plot()
-    labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert labels[:2] == ["weights", "scratch"]
-    assert len(ax.patches) == 1 + len(plan.layout.slots) + len(plan.executables)
+    # One stacked bar: the weights, each slot, the rest of the peak; it ends at the whole bill.
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bill"]
+    assert len(ax.patches) == 1 + len(plan.layout.slots) + 1
+    widths = [p.get_width() for p in ax.patches]
+    assert widths[0] == plan.weights_bytes / 2**20
+    assert sum(widths) == pytest.approx(plan.total_bytes / 2**20, rel=1e-9)
+    assert [line.get_xdata()[0] for line in ax.get_lines()] == [plan.budget / 2**20]
 
 
 # Bad input: each a clear error before any XLA work.

@@ -15,22 +15,17 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm import ops
 from jaxlm.batching import step
 from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.batching.pages import PagePool
+from jaxlm.batching.plan import EnginePlan, plan_engine
 from jaxlm.batching.scheduler import Batch, Scheduler
-from jaxlm.batching.step import TOP_LOGPROBS, Steps
+from jaxlm.batching.step import TOP_LOGPROBS
 from jaxlm.constrain import Grammars, grammar_of
-from jaxlm.engine import weights_bytes
-from jaxlm.memory import ExecutableMemory, format_bytes, parse_bytes
 from jaxlm.requests import check_penalties, is_int, parse_request
-from jaxlm.sharding import mesh_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +55,19 @@ class EngineStats:
 class LLMEngine:
     """Serve a model's requests by continuous batching over a paged KV cache.
 
-    `max_num_seqs` sequences run at once, each up to `max_seq_len` tokens in pages of
+    The engine runs a `plan` (`jaxlm.plan(model, max_num_seqs=...)`): its pages, allocated once
+    here, and its steps, compiled when it was made. Without one, the sizes make it:
+    `max_num_seqs` sequences (4) run at once, each up to `max_seq_len` tokens in pages of
     `page_size`; `num_pages` pages in all (page 0 pads), or as many as `budget` leaves beside
     the weights and the steps' temporaries. A step runs at most `max_num_batched_tokens` tokens.
     Decode steps run `decode_steps` at a time while no prompt waits, ending early where a
-    request samples a stop token: the tokens of a call reach its requests together.
+    request samples a stop token: the tokens of a call reach its requests together. On a model
+    sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`.
 
     Example:
-        >>> engine = jaxlm.LLMEngine(model, tokenizer, max_num_seqs=4, budget="1GiB")
+        >>> plan = jaxlm.plan(model, max_num_seqs=4, budget="1GiB")
+        >>> print(plan)                  # the pages, the steps' temporaries, the whole bill
+        >>> engine = jaxlm.LLMEngine(model, tokenizer, plan)
         >>> handles = [engine.submit(p, max_new_tokens=32) for p in prompts]
         >>> [h.result().text for h in handles]
         >>> engine.close()
@@ -77,67 +77,54 @@ class LLMEngine:
         self,
         model,
         tokenizer=None,
+        plan: EnginePlan | None = None,
         *,
-        max_num_seqs: int = 4,
+        max_num_seqs: int | None = None,
         max_seq_len: int | None = None,
-        page_size: int = 16,
+        page_size: int | None = None,
         num_pages: int | None = None,
         budget: int | str | None = None,
-        max_num_batched_tokens: int = 256,
+        max_num_batched_tokens: int | None = None,
+        decode_steps: int | None = None,
         prefix_cache: bool = True,
         max_queue: int = 1024,
-        decode_steps: int = 4,
     ):
-        if not is_int(decode_steps) or decode_steps < 1:
-            raise ValueError(f"`decode_steps` must be a positive integer, got {decode_steps!r}")
-        if (num_pages is None) == (budget is None):
-            raise ValueError("give one of `num_pages` and `budget`")
-        if mesh_of(nnx.state(model)) is not None:
-            raise ValueError(
-                "`LLMEngine` runs a model on one device; load it without `mesh` (a sharded "
-                "or multi-host engine is not built yet)"
-            )
-        self.model, self.tokenizer = model, tokenizer
-        config = model.config
-        max_seq_len = max_seq_len or config.max_position_embeddings
-        self.page_size = page_size
-        self.pages_per_seq = -(-max_seq_len // page_size)
-        self.max_num_seqs = max_num_seqs
-        self.buckets = step.buckets(max_num_batched_tokens)
-        graphdef, self._state = nnx.split(model)
-        self.decode_steps = decode_steps
-        self._steps = Steps(
-            graphdef,
-            rows=max_num_seqs,
-            pages_per_seq=self.pages_per_seq,
-            vocab_size=config.vocab_size,
-            buckets=self.buckets,
+        sizes = dict(
+            max_num_seqs=max_num_seqs,
+            max_seq_len=max_seq_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            budget=budget,
+            max_num_batched_tokens=max_num_batched_tokens,
             decode_steps=decode_steps,
         )
-        if budget is not None:
-            limit = parse_bytes(budget)
-            num_pages = self._pages_within(limit)
-        self.compiled = self._compile(num_pages)
-        self.executables = {
-            w: ExecutableMemory.of(f"chunk of {w}", e) for w, e in self.compiled.items()
-        }
-        self.weights_bytes = weights_bytes(model)
-        self.pages_bytes = num_pages * self._page_bytes()
-        if budget is not None and self.total_bytes > limit:
-            raise ValueError(
-                f"`budget` {format_bytes(limit)} leaves no room for the steps: "
-                f"{format_bytes(self.total_bytes)} with {num_pages} pages"
-            )
-        self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
+        if plan is None:
+            sizes["max_num_seqs"] = 4 if max_num_seqs is None else max_num_seqs
+            plan = plan_engine(model, **sizes)
+        elif any(v is not None for v in sizes.values()):
+            given = ", ".join(f"`{k}`" for k, v in sizes.items() if v is not None)
+            raise ValueError(f"give a `plan` or its sizes ({given}), not both")
+        elif plan.model is not model:
+            raise ValueError("`plan` was made for another model; plan this one")
+        self.model, self.tokenizer, self.plan = model, tokenizer, plan
+        self._state = nnx.state(model)
+        self._steps = plan.steps
+        self.compiled = plan.compiled
+        self.page_size = plan.page_size
+        self.pages_per_seq = plan.pages_per_seq
+        self.max_num_seqs = plan.max_num_seqs
+        self.decode_steps = plan.decode_steps
+        self.pool = PagePool(plan.num_pages, plan.page_size, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(
             self.pool,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            pages_per_seq=self.pages_per_seq,
+            max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+            pages_per_seq=plan.pages_per_seq,
             max_queue=max_queue,
             max_prefill_chunks=1,
         )
-        self.pages = jax.jit(lambda: self._zeros(num_pages))()
+        # The one allocation of the engine's pages, from its plan.
+        self.pages = plan.allocate()
         self.steps = 0
         self.calls = 0
         self.prefill_tokens = 0
@@ -153,45 +140,6 @@ class LLMEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="jaxlm-engine", daemon=True)
         self._thread.start()
-
-    # Memory.
-
-    def _page_bytes(self) -> int:
-        c = self.model.config
-        k, _ = ops.paged_kv_shapes(1, self.page_size, c.num_key_value_heads, c.head_dim)
-        itemsize = ops.storage_dtype(self.model.dtype).itemsize
-        return 2 * c.num_hidden_layers * int(np.prod(k)) * itemsize
-
-    @property
-    def total_bytes(self) -> int:
-        """The whole bill: the peak of the most demanding step, weights and pages included."""
-        return max(e.peak for e in self.executables.values())
-
-    def _pages_within(self, limit: int) -> int:
-        # The pages are the only part of the bill that grows with their number: compile once
-        # with two pages and give the pages what the rest leaves.
-        probe = self._compile(2)
-        rest = max(ExecutableMemory.of("probe", e).peak for e in probe.values())
-        pages = 2 + (limit - rest) // self._page_bytes()
-        if pages < 2:
-            raise ValueError(
-                f"`budget` {format_bytes(limit)} is below the bill without pages, "
-                f"{format_bytes(rest)}"
-            )
-        return pages
-
-    def _zeros(self, num_pages: int) -> dict:
-        c = self.model.config
-        k, v = ops.paged_kv_shapes(num_pages, self.page_size, c.num_key_value_heads, c.head_dim)
-        dtype = ops.storage_dtype(self.model.dtype)
-        layer = lambda: {
-            "self_attn": {"k_pages": jnp.zeros(k, dtype), "v_pages": jnp.zeros(v, dtype)}
-        }
-        return {"layers": {i: layer() for i in range(c.num_hidden_layers)}}
-
-    def _compile(self, num_pages: int) -> dict:
-        """The step for each prompt chunk width (`0`: decode tokens alone), compiled."""
-        return self._steps.compile(self._state, jax.eval_shape(lambda: self._zeros(num_pages)))
 
     def _loop(self) -> None:
         try:
@@ -280,27 +228,6 @@ class LLMEngine:
                 handle._fail(error)
             self._handles.clear()
             self._closed = True
-
-    def describe(self) -> str:
-        """The engine's memory bill, from the compiled steps' memory analysis, as text."""
-        pages = self.pool.num_usable
-        temp = max(e.temp for e in self.executables.values())
-        rows = [
-            ("weights", format_bytes(self.weights_bytes)),
-            (
-                "KV pages",
-                f"{format_bytes(self.pages_bytes)}: {pages} pages of {self.page_size} tokens "
-                f"({pages * self.page_size} tokens; a sequence holds {self.max_seq_len})",
-            ),
-            ("temporaries", f"{format_bytes(temp)} (the largest step's)"),
-            ("total", f"{format_bytes(self.total_bytes)} (the peak of the largest step)"),
-            (
-                "batch",
-                f"{self.max_num_seqs} sequences, up to {self.buckets[-1]} prompt tokens a step "
-                f"({len(self.compiled)} compiled steps)",
-            ),
-        ]
-        return "\n".join(f"  {name:<12} {value}" for name, value in rows)
 
     @property
     def max_seq_len(self) -> int:

@@ -79,8 +79,17 @@ class Steps:
     """The steps of an engine of `rows` sequences, by prompt chunk width (`0`: decode tokens
     alone): their input layouts, compiled executables, inputs and outputs."""
 
-    def __init__(self, graphdef, *, rows, pages_per_seq, vocab_size, buckets, decode_steps):
+    def __init__(
+        self, graphdef, *, rows, pages_per_seq, vocab_size, buckets, decode_steps, pages_sharding
+    ):
         self._graphdef = graphdef
+        # On a mesh, the pages a step returns keep the shardings they came in with: XLA aliases
+        # a donated buffer to an output only if both are split alike.
+        self._pin = (
+            (lambda pages: pages)
+            if pages_sharding is None
+            else (lambda pages: jax.lax.with_sharding_constraint(pages, pages_sharding))
+        )
         self.rows, self.pages_per_seq, self.vocab_size = rows, pages_per_seq, vocab_size
         self.buckets, self.decode_steps = buckets, decode_steps
         self.layouts = {w: HostPack(self._spec(w)) for w in (0, *buckets)}
@@ -150,7 +159,7 @@ class Steps:
         row = x["chunk"].pop("row")
         (logits, chunk_logits), pages = model.forward_paged([x["decode"], x["chunk"]], pages)
         logits = logits.at[row].set(chunk_logits[0])
-        return pages, _pack(_sample(logits, x, x["generated"], x["seen"]))[None]
+        return self._pin(pages), _pack(_sample(logits, x, x["generated"], x["seen"]))[None]
 
     def _run_decode(self, layout, state, pages, buf):
         # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
@@ -177,7 +186,7 @@ class Steps:
         ids, positions = decode["input_ids"][:, 0], decode["positions"][:, 0]
         carry = (jnp.int32(0), pages, ids, positions, x["generated"], x["seen"], out, jnp.bool_(0))
         carry = jax.lax.while_loop(lambda c: (c[0] < x["steps"]) & ~c[-1], step, carry)
-        return carry[1], carry[6]
+        return self._pin(carry[1]), carry[6]
 
     # The host's side.
 

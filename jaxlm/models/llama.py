@@ -61,8 +61,10 @@ class Attention(nnx.Module):
         )
         self.o_proj = Linear(nh * d, h, bias=o_bias, dtype=dtype, rngs=rngs, axes=("heads", None))
         self._add_qk_norms(config, dtype)
-        # The KV cache, declared here and allocated by the planner, in `jaxlm.ops`'s layouts.
+        # The KV cache, declared here and allocated by the planner, in `jaxlm.ops`'s layouts:
+        # contiguous for `generate`'s plan, in pages for the serving engine's.
         self.k_cache, self.v_cache = ops.kv_cache_specs(nkv, d, dtype)
+        self.k_pages, self.v_pages = ops.paged_kv_specs(nkv, d, dtype)
 
     def _add_qk_norms(self, config: ModelConfig, dtype) -> None:
         # Qwen3 normalises each head of q and k.
@@ -397,14 +399,14 @@ class LlamaForCausalLM(nnx.Module):
         different numbers of tokens; groups of other widths (one token per row, a prompt's
         chunk) run in one call, their pages written in one update. A group's logits are
         `[R, C, vocab]`, or with `last`, those of column `last[r]` of each row, `[R, vocab]`.
-        `cache` is `{"layers": {i: {"self_attn": {"k_pages", "v_pages"}}}}`, shaped by
-        `jaxlm.ops.paged_kv_shapes`.
+        `cache` holds the pages each attention layer declares (`jaxlm.ops.paged_kv_specs`), as
+        an engine's plan lays them out (`jaxlm.plan(model, max_num_seqs=...)`).
         """
         triples = [(g["input_ids"], g["positions"], g["table"]) for g in groups]
-        xs, new = self.model.forward_paged(triples, cache)
+        xs, new = self.model.forward_paged(triples, cache["model"])
         logits = []
         for x, g in zip(xs, groups, strict=True):
             if g.get("last") is not None:
                 x = jnp.take_along_axis(x, g["last"][None, :, None], axis=2)[..., 0]
             logits.append(self._logits(x))
-        return logits, new
+        return logits, {"model": new}

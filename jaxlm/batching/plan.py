@@ -1,0 +1,181 @@
+"""`EnginePlan`: the serving engine's paged KV cache laid out, its steps compiled and its whole
+bill known before anything is allocated.
+
+The attention layers declare their pages (`jaxlm.ops.paged_kv_specs`, over the plan dimensions
+`num_pages` and `page_size`); the plan binds them, compiles the engine's step for every prompt
+chunk width it will run (`jaxlm.batching.step`) and reads XLA's memory analysis of each, so
+serving never compiles and the bill holds weights, pages and XLA's temporaries. With a
+`budget`, it gives the pages what the rest of the bill leaves.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxlm.batching import step
+from jaxlm.bill import Bill
+from jaxlm.engine import weights_bytes
+from jaxlm.errors import PlanError
+from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, parse_bytes
+from jaxlm.ops import storage_dtype
+from jaxlm.requests import is_int
+from jaxlm.sharding import Partitioner, mesh_of
+
+# Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.
+MIN_PAGES = 2
+
+
+class EnginePlan(Bill):
+    """The pages and compiled steps of an `LLMEngine`, and their bill.
+
+    Attributes: `max_num_seqs`, `max_seq_len` (the most tokens one sequence holds),
+    `page_size`, `num_pages` (page 0 pads), `pages_per_seq`, `max_num_batched_tokens`,
+    `decode_steps`, `layout` (the page slots), `compiled` (the step of each prompt chunk width,
+    `0` for decode tokens alone), `executables` (XLA's memory analysis of each),
+    `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`, `total_bytes` (the peak of the
+    most demanding step, weights and pages included) and `budget`. On a mesh (`mesh` is not
+    None), the pages split by KV head over `model` and every byte count is per device.
+    """
+
+    def __init__(self, model, steps, layout, compiled, budget, partitioner):
+        self.model = model
+        self.steps = steps
+        self.layout = layout
+        self.compiled = compiled
+        self.executables = {
+            w: ExecutableMemory.of(f"chunk of {w}" if w else "decode", e)
+            for w, e in compiled.items()
+        }
+        self.weights_bytes = weights_bytes(model)
+        self.budget = budget
+        self.partitioner = partitioner
+        self.mesh = partitioner.mesh if partitioner else None
+        self.num_pages = layout.dims["num_pages"]
+        self.page_size = layout.dims["page_size"]
+        self.max_num_seqs = steps.rows
+        self.pages_per_seq = steps.pages_per_seq
+        self.max_num_batched_tokens = steps.buckets[-1]
+        self.decode_steps = steps.decode_steps
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens one sequence holds: its pages, or every usable page."""
+        return min(self.pages_per_seq, self.num_pages - 1) * self.page_size
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.layout.device_nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return max(e.peak for e in self.executables.values())
+
+    def allocate(self) -> dict:
+        """The pages, zero-filled: exactly `scratch_bytes` (per device), allocated once."""
+        return self.layout.allocate()
+
+    def _header(self) -> str:
+        return (
+            f"EnginePlan: max_num_seqs={self.max_num_seqs}, num_pages={self.num_pages} of "
+            f"page_size={self.page_size} ({(self.num_pages - 1) * self.page_size} tokens; a "
+            f"sequence holds {self.max_seq_len}), max_num_batched_tokens="
+            f"{self.max_num_batched_tokens}, {self._where(self.partitioner)}"
+        )
+
+    def __repr__(self) -> str:
+        per_device = "" if self.mesh is None else f" per device on {self.mesh.size}"
+        return (
+            f"EnginePlan(max_num_seqs={self.max_num_seqs}, num_pages={self.num_pages}, "
+            f"page_size={self.page_size}, total={format_bytes(self.total_bytes)}{per_device})"
+        )
+
+
+def _positive(name: str, value) -> None:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+
+
+def plan_engine(
+    model: nnx.Module,
+    *,
+    max_num_seqs: int,
+    max_seq_len: int | None = None,
+    page_size: int | None = None,
+    num_pages: int | None = None,
+    budget: int | str | None = None,
+    max_num_batched_tokens: int | None = None,
+    decode_steps: int | None = None,
+) -> EnginePlan:
+    """The plan of an engine of `max_num_seqs` sequences; see `jaxlm.plan`."""
+    page_size = 16 if page_size is None else page_size
+    max_num_batched_tokens = 256 if max_num_batched_tokens is None else max_num_batched_tokens
+    decode_steps = 4 if decode_steps is None else decode_steps
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("page_size", page_size),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("decode_steps", decode_steps),
+    ):
+        _positive(name, value)
+    if (num_pages is None) == (budget is None):
+        raise ValueError("give one of `num_pages` and `budget`")
+    if num_pages is not None and (not is_int(num_pages) or num_pages < MIN_PAGES):
+        raise ValueError(f"`num_pages` must be an integer >= {MIN_PAGES}, got {num_pages!r}")
+    config = model.config
+    max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
+    _positive("max_seq_len", max_seq_len)
+    graphdef, state = nnx.split(model)
+    mesh = mesh_of(state)
+    partitioner = Partitioner(mesh, config) if mesh is not None else None
+    decls = [(path, spec) for path, spec in declarations(model) if spec.paged]
+
+    def layout(pages: int) -> Layout:
+        dims = {"num_pages": pages, "page_size": page_size}
+        return Layout.build(decls, dims, storage_dtype, partitioner)
+
+    steps = step.Steps(
+        graphdef,
+        rows=max_num_seqs,
+        pages_per_seq=-(-max_seq_len // page_size),
+        vocab_size=config.vocab_size,
+        buckets=step.buckets(max_num_batched_tokens),
+        decode_steps=decode_steps,
+        pages_sharding=layout(MIN_PAGES).tree(lambda s: s.sharding) if partitioner else None,
+    )
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None),
+        state,
+    )
+
+    limit = parse_bytes(budget) if budget is not None else None
+
+    def make(pages: int) -> EnginePlan:
+        lay = layout(pages)
+        compiled = steps.compile(abstract, lay.abstract())
+        return EnginePlan(model, steps, lay, compiled, limit, partitioner)
+
+    if limit is None:
+        return make(num_pages)
+    # The pages are the only part of the bill that grows with their number: compile with the
+    # fewest and give the pages what the rest leaves.
+    page_bytes = layout(1).device_nbytes
+    probe = make(MIN_PAGES)
+    rest = probe.total_bytes - probe.scratch_bytes
+    pages = (limit - rest) // page_bytes
+    if pages < MIN_PAGES:
+        raise PlanError(
+            f"`budget` {format_bytes(limit)} is below the engine's bill without pages, "
+            f"{format_bytes(rest)} (weights {format_bytes(probe.weights_bytes)}, XLA "
+            f"temporaries {format_bytes(probe.temp_bytes)}), plus {MIN_PAGES} pages of "
+            f"{format_bytes(page_bytes)}"
+        )
+    plan = make(pages)
+    if plan.total_bytes > limit:
+        raise PlanError(
+            f"the engine's plan with {pages} pages needs {format_bytes(plan.total_bytes)} "
+            f"(weights {format_bytes(plan.weights_bytes)}, pages "
+            f"{format_bytes(plan.scratch_bytes)}, XLA temporaries "
+            f"{format_bytes(plan.temp_bytes)}), over the `budget` of {format_bytes(limit)}"
+        )
+    return plan
