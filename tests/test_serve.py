@@ -393,4 +393,4 @@ def test_signals_stop_the_server_cleanly(tiny_chat, sig, code):
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # the port is free again
     log = proc.stderr.read()
-    assert "serving at" in log and "KV pages" in log and "Traceback" not in log
+    assert "serving at" in log and "k_pages" in log and "Traceback" not in log

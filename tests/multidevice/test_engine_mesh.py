@@ -1,0 +1,111 @@
+"""`LLMEngine` on a mesh of simulated CPU devices, against the same engine on one device.
+
+Runs in the process of 4 devices that `tests/test_sharding.py` starts.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+
+import httpx
+import jax
+import pytest
+from conftest import make_hf_model
+from jax.sharding import PartitionSpec as P
+from serve_helpers import free_port, wait_until_healthy
+
+import jaxlm
+
+# A tiny engine: chunks of 16 prompt tokens, so it compiles two step widths.
+SIZES = dict(max_num_seqs=4, page_size=4, num_pages=96, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_gqa4")
+    make_hf_model(path, "llama_gqa4")
+    return path
+
+
+def requests(vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.choice([3, 9, 20, 37]))], rng.randint(4, 16))
+        for _ in range(16)
+    ]
+
+
+def run(model) -> list[list[int]]:
+    with jaxlm.LLMEngine(model, **SIZES) as engine:
+        handles = [
+            engine.submit(p, max_new_tokens=n, stop_token_ids=[])
+            for p, n in requests(model.config.vocab_size)
+        ]
+        out = [h.result().token_ids for h in handles]
+        assert engine.stats().pages_in_use == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(saved):
+    model, _ = jaxlm.load(saved)
+    return run(model)
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (2, 1), (2, 2)], ids=str)
+def test_sixteen_requests_on_a_mesh_equal_one_device(saved, single, mesh):
+    model, _ = jaxlm.load(saved, mesh=mesh)
+    assert run(model) == single
+
+
+def test_pages_split_by_kv_head_and_stay_in_place(saved):
+    model, _ = jaxlm.load(saved, mesh=(1, 2))
+    plan = jaxlm.plan(model, **SIZES)
+    c = model.config
+    slot = plan.layout.slots[0]
+    assert slot.sharding.spec == P(None, "model", None, None)
+    assert slot.shard_shape == (96, c.num_key_value_heads // 2, c.head_dim, 4)
+    with jaxlm.LLMEngine(model, plan=plan) as engine:
+        pages = jax.tree.leaves(engine.pages)
+        assert all(x.sharding.spec == P(None, "model", None, None) for x in pages)
+        # The bill is per device: each of the two holds half of every page.
+        assert sum(x.addressable_shards[0].data.nbytes for x in pages) == plan.scratch_bytes
+        assert sum(x.nbytes for x in pages) == 2 * plan.scratch_bytes
+        before = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in pages]
+        engine.generate([[1, 2, 3] * 7, [4, 5]], max_new_tokens=6, stop_token_ids=[])
+        after = jax.tree.leaves(engine.pages)
+        assert [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in after] == (
+            before
+        )
+    for width, executable in plan.compiled.items():
+        memory = plan.executables[width]
+        assert memory.alias >= plan.scratch_bytes, width
+        shape = re.escape(",".join(map(str, slot.shard_shape)))
+        assert not re.search(rf"= f32\[{shape}\]\S* copy\(", executable.as_text()), width
+
+
+def test_serve_on_a_two_by_two_mesh(tiny_chat):
+    prompt = "Once upon a time"
+    model, tokenizer = jaxlm.load(tiny_chat)
+    want = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=12, stop_token_ids=[])
+    port = free_port()
+    command = [sys.executable, "-m", "jaxlm", "serve", "--model", str(tiny_chat), "--mesh", "2,2"]
+    command += ["--port", str(port), "--max-num-seqs", "2", "--max-seq-len", "64"]
+    command += ["--max-num-batched-tokens", "16"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(proc, url, timeout=240)
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.texts[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log = proc.stderr.read()
+    # The engine's plan, per device on the mesh, is printed as the server starts.
+    assert "mesh data=2 x model=2" in log and "k_pages" in log and "Traceback" not in log
