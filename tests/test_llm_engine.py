@@ -12,10 +12,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
 from jaxlm.batching.step import HostPack
+from jaxlm.errors import PlanError
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +201,18 @@ def test_an_error_before_a_call_fails_every_request(tiny):
         assert not engine.is_running
 
 
-def test_bad_requests_and_a_budget(tiny):
+def test_bad_requests_and_a_budget(tiny, tiny_llama):
     with LLMEngine(tiny, max_num_seqs=2, page_size=4, budget="64MiB") as engine:
-        assert engine.plan.total_bytes <= 64 << 20
+        plan = engine.plan
+        assert plan.total_bytes <= 64 << 20
+        # The bill is what the engine allocated (weights and pages) and XLA's temporaries, read
+        # here from the executables themselves; one more page would not have fit.
+        pages = sum(x.nbytes for x in jax.tree.leaves(engine.pages))
+        weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(tiny)))
+        temp = max(e.memory_analysis().temp_size_in_bytes for e in engine.compiled.values())
+        assert pages == plan.scratch_bytes and weights == plan.weights_bytes
+        assert abs(plan.total_bytes - (weights + pages + temp)) <= 0.02 * plan.total_bytes
+        assert plan.total_bytes + pages // plan.num_pages > 64 << 20
         assert engine.pool.num_pages * 4 >= 2 * tiny.config.max_position_embeddings
         with pytest.raises(ValueError, match="`max_position_embeddings=128`"):
             engine.submit([1] * 100, max_new_tokens=40)
@@ -211,6 +222,19 @@ def test_bad_requests_and_a_budget(tiny):
             engine.submit([[1, 2], [3]], max_new_tokens=4)
     with pytest.raises(ValueError, match="give one of `num_pages` and `budget`"):
         LLMEngine(tiny)
+    with pytest.raises(ValueError, match=r"give a `plan` or its sizes \(`num_pages`\)"):
+        LLMEngine(tiny, None, engine.plan, num_pages=8)
+    other, _ = jaxlm.load(tiny_llama[0])
+    with pytest.raises(ValueError, match="`plan` was made for another model"):
+        LLMEngine(other, None, engine.plan)
+    with pytest.raises(ValueError, match="`max_batch` size `generate`'s plan"):
+        jaxlm.plan(tiny, max_num_seqs=2, max_batch=2, num_pages=8)
+    with pytest.raises(ValueError, match="`num_pages` size an engine's plan"):
+        jaxlm.plan(tiny, max_batch=2, num_pages=8)
+    # A budget below the weights and two pages is refused, with the numbers, before compiling.
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(tiny)))
+    with pytest.raises(PlanError, match=r"does not hold the weights, \d+\.\d\d KiB, and 2 pages"):
+        jaxlm.plan(tiny, max_num_seqs=2, budget=weights + 100)
     for steps in (0, 1.5):
         with pytest.raises(ValueError, match="`decode_steps` must be a positive integer"):
             LLMEngine(tiny, num_pages=8, decode_steps=steps)

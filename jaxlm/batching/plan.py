@@ -160,6 +160,12 @@ def plan_engine(
     # The pages are the only part of the bill that grows with their number: compile with the
     # fewest and give the pages what the rest leaves.
     page_bytes = layout(1).device_nbytes
+    weights = weights_bytes(model)
+    if weights + MIN_PAGES * page_bytes > limit:
+        raise PlanError(
+            f"`budget` {format_bytes(limit)} does not hold the weights, "
+            f"{format_bytes(weights)}, and {MIN_PAGES} pages of {format_bytes(page_bytes)}"
+        )
     probe = make(MIN_PAGES)
     rest = probe.total_bytes - probe.scratch_bytes
     pages = (limit - rest) // page_bytes
