@@ -256,6 +256,14 @@ def engine_of(model: nnx.Module) -> Engine:
     return engine
 
 
+def forget(model: nnx.Module) -> None:
+    """Drop the engine of `model`, with its plans and their scratch: for a model whose structure
+    changed in place (`jaxlm.quantize`), whose steps no longer fit it. New weights in the same
+    variables (`nnx.update`) need nothing: the engine's parameters are the model's variables."""
+    with _ENGINES_LOCK:
+        _ENGINES.pop(model, None)
+
+
 def weights_bytes(model: nnx.Module) -> int:
     """Bytes of parameters each device holds (all of them on a single device)."""
     return sum(shard_bytes(x) for x in jax.tree.leaves(nnx.state(model)))

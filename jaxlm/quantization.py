@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import ops
+from jaxlm import engine, ops
 from jaxlm.layers import Embedding, Linear
 
 QUANTIZE_MODES = ("int8",)
@@ -80,6 +80,8 @@ def quantize(model: nnx.Module, mode: str = "int8") -> nnx.Module:
         q, scale = quantize_weight(floats)
         module.weight = nnx.Param(q, axes=axes)
         module.scale = nnx.Param(scale, axes=axes[:-1])
+    # `generate` runs the quantized weights from now on, and the float ones can go.
+    engine.forget(model)
     return model
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import jax
 import numpy as np
@@ -280,3 +282,17 @@ def test_prompt_longer_than_the_plan(tiny_llama):
         jaxlm.generate(model, None, list(range(1, 12)), max_new_tokens=8, plan=plan)
     with pytest.raises(jaxlm.PlanError, match=r"2 prompts exceed the plan's `max_batch=1`"):
         jaxlm.generate(model, None, PROMPTS[:2], max_new_tokens=2, plan=plan)
+
+
+def test_generate_runs_weights_quantized_in_place(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    kw = dict(max_new_tokens=8, stop_token_ids=[])
+    jaxlm.generate(model, None, PROMPTS, **kw)
+    floats = weakref.ref(model.model.layers[0].mlp.gate_up_proj.weight.get_value())
+    jaxlm.quantize(model, "int8")
+    got = jaxlm.generate(model, None, PROMPTS, **kw).token_ids
+    loaded, _ = jaxlm.load(tiny_llama[0], quantize="int8")
+    assert got == jaxlm.generate(loaded, None, PROMPTS, **kw).token_ids
+    # Nothing keeps the float weights: the steps and plans made for them went with them.
+    gc.collect()
+    assert floats() is None
