@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlm import kernels
+from jaxlm.kernels import int4
 from jaxlm.memory import ScratchSpec
 
 _MASKED = -1e30
@@ -238,7 +240,10 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def quantized_rows(q: jax.Array, scale: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows `ids` `[...]` of a table stored by `quantize_weight` (an embedding), as float32
-    `[..., features]`: dequantized, then rotated back."""
+    `[..., features]`: dequantized, then rotated back; or of a 4-bit table (uint8 `q`, see
+    `jaxlm.kernels.int4`), dequantized."""
+    if q.dtype == jnp.uint8:
+        return int4.rows(q, scale, ids)
     rows = jnp.take(q, ids, axis=0).astype(jnp.float32) * jnp.take(scale, ids)[..., None]
     return _rotate(rows, -1, inverse=True)
 
@@ -256,13 +261,26 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
       two it is negligible, and the rotation of the input (random signs and Hadamard blocks,
       folded into the weight) halves what the weights' rounding costs (see
       `docs/performance.md`, "8-bit products").
+    - One CPU device with jaxlm's native kernels (`jaxlm.kernels`): the same two digits, in
+      a custom call that reads the int8 weight once for both; XLA's integer dot streamed the
+      weights at a third of the memory's speed (see `docs/performance.md`, "Native products").
     - Otherwise the int8 weight is converted inside a bfloat16 dot and its rows scaled after,
       the weight-only product that GPU and TPU compilers fuse.
+
+    A 4-bit weight (uint8 `q`, `scale` its blocks' scales, see `jaxlm.kernels.int4`) runs the
+    native 4-bit product where the kernels run, else XLA's product of the dequantized weight.
     """
+    native = platform() == "cpu" and jax.device_count() == 1 and kernels.available()
+    if q.dtype == jnp.uint8:
+        if native:
+            return kernels.w4_matmul(q, scale, x)
+        return int4.matmul(q, scale, x.reshape(x.shape[0], -1)).reshape(*q.shape[:-1], *x.shape[1:])
     k = q.shape[-1]
     cols = math.prod(x.shape[1:])
     flat = _rotate(x.reshape(k, cols), 0)
     dims = (((q.ndim - 1,), (0,)), ((), ()))
+    if native and k <= kernels.W8_MAX_IN:
+        return kernels.w8_matmul(q, scale, flat).reshape(*q.shape[:-1], *x.shape[1:])
     if platform() == "cpu":
         y = _in_two_digits(q, flat.astype(jnp.float32), dims)
     else:

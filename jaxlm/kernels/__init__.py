@@ -1,0 +1,150 @@
+"""Native CPU products with quantized weights, run inside jitted steps as XLA FFI custom calls.
+
+The library (`csrc/`, C++17) is compiled by `pip install` and called through `jax.ffi`: XLA
+runs it as a custom call on its own threads, with no Python and no GIL, and the weights are
+read where they lie, packed. Two products, each with a path per instruction set chosen when
+it runs (AVX512-VNNI, AVX2, portable C++):
+
+- `w8_matmul`: int8 weights `[..., out, in]` with one float32 scale per row, as
+  `jaxlm.ops.quantize_weight` stores them; each column of the activations is rounded to two
+  int8 digits, as `jaxlm.ops.quantized_matmul` rounds them for XLA's integer dot.
+- `w4_matmul`: 4-bit weights in blocks of 32 with a float16 scale and minimum each
+  (`jaxlm.kernels.int4`); the activations are rounded to int8 per block of 32.
+
+Where the library was not built (no compiler, another platform) or is switched off
+(`JAXLM_NATIVE_KERNELS=0`, read as products are traced), `available()` is false and
+`jaxlm.ops` runs XLA's products; a missing library is reported once, as a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import importlib.util
+import math
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+# The paths of each kernel, from the most portable (the library's `jaxlm::Isa`).
+ISAS = ("portable", "avx2", "avx512_vnni")
+# The environment variable that switches the library off (`0`).
+SWITCH = "JAXLM_NATIVE_KERNELS"
+# The int32 sums of `w8_matmul` hold up to this many inputs: 255 * 127 * in < 2**31.
+W8_MAX_IN = 65536
+
+_TARGETS = {"jaxlm_w8_matmul": "JaxlmW8Matmul", "jaxlm_w4_matmul": "JaxlmW4Matmul"}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("jaxlm.kernels._native")
+    try:
+        if spec is None or spec.origin is None:
+            raise OSError("the library was not built at install")
+        library = ctypes.CDLL(spec.origin)
+    except OSError as e:
+        warnings.warn(
+            f"jaxlm: native CPU kernels unavailable ({e}); quantized products run through XLA",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    for target, symbol in _TARGETS.items():
+        capsule = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    return library
+
+
+def available() -> bool:
+    """Whether the native products run here: built, loaded, and not switched off with
+    `JAXLM_NATIVE_KERNELS=0`."""
+    return os.environ.get(SWITCH, "1") != "0" and _library() is not None
+
+
+def isa() -> str | None:
+    """The path the kernels take (one of `ISAS`), or None where the library is unavailable."""
+    library = _library()
+    if library is None:
+        return None
+    return ISAS[library.JaxlmKernelsLimitIsa(ctypes.c_int(_limit))]
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The paths this CPU can run, from the most portable; empty without the library."""
+    library = _library()
+    return () if library is None else ISAS[: library.JaxlmKernelsBestIsa() + 1]
+
+
+_limit = len(ISAS) - 1
+
+
+@contextlib.contextmanager
+def limited_to(name: str):
+    """Runs the kernels on path `name` (one of `ISAS`) or the best below it the CPU has,
+    within the block; tests force every path a machine can run this way. The path is chosen
+    as each product runs, so compiled steps need not be compiled again."""
+    global _limit
+    if name not in ISAS:
+        raise ValueError(f"`name` must be one of {', '.join(f'`{n}`' for n in ISAS)}, got {name!r}")
+    library = _library()
+    if library is None:
+        raise RuntimeError("jaxlm's native CPU kernels are unavailable here")
+    previous, _limit = _limit, ISAS.index(name)
+    library.JaxlmKernelsLimitIsa(ctypes.c_int(_limit))
+    try:
+        yield
+    finally:
+        _limit = previous
+        library.JaxlmKernelsLimitIsa(ctypes.c_int(previous))
+
+
+def _columns(x: jax.Array, k: int, name: str) -> jax.Array:
+    if x.ndim < 1 or x.shape[0] != k:
+        raise ValueError(f"`x` must be [{name}, ...] with {name} = {k}, got shape {x.shape}")
+    return x.reshape(k, math.prod(x.shape[1:])).astype(jnp.float32)
+
+
+def w8_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
+    """`w @ x` for int8 `q` `[..., out, in]` with float32 `scale` `[..., out]` (one per row)
+    and feature-major `x` `[in, ...]`: `[..., out, ...]` in float32, each column of `x` rounded
+    to two int8 digits inside (see `jaxlm.ops.quantized_matmul`).
+
+    Example:
+        >>> y = jaxlm.kernels.w8_matmul(q, scale, x)
+    """
+    if q.dtype != jnp.int8 or q.ndim < 2:
+        raise ValueError(f"`q` must be int8 [..., out, in], got {q.dtype} {q.shape}")
+    if scale.shape != q.shape[:-1]:
+        raise ValueError(f"`scale` must be [..., out] = {q.shape[:-1]}, got {scale.shape}")
+    if q.shape[-1] > W8_MAX_IN:
+        raise ValueError(f"`q` may have at most {W8_MAX_IN} inputs, got {q.shape[-1]}")
+    flat = _columns(x, q.shape[-1], "in")
+    out = jax.ShapeDtypeStruct((*q.shape[:-1], flat.shape[1]), jnp.float32)
+    y = jax.ffi.ffi_call("jaxlm_w8_matmul", out)(q, scale.astype(jnp.float32), flat)
+    return y.reshape(*q.shape[:-1], *x.shape[1:])
+
+
+def w4_matmul(packed: jax.Array, scales: jax.Array, x: jax.Array) -> jax.Array:
+    """`w @ x` for 4-bit weights stored by `jaxlm.kernels.int4` (`packed` uint8 `[..., out,
+    in / 2]`, `scales` float16 `[..., out, in / 32, 2]`) and feature-major `x` `[in, ...]`:
+    `[..., out, ...]` in float32, `x` rounded to int8 per block of 32 inside.
+
+    Example:
+        >>> y = jaxlm.kernels.w4_matmul(packed, scales, x)
+    """
+    if packed.dtype != jnp.uint8 or packed.ndim < 2:
+        raise ValueError(f"`packed` must be uint8 [..., out, in / 2], got {packed.dtype}")
+    k = 2 * packed.shape[-1]
+    if k % 32:
+        raise ValueError(f"`packed` must hold a multiple of 32 inputs per row, got {k}")
+    expected = (*packed.shape[:-1], k // 32, 2)
+    if scales.dtype != jnp.float16 or scales.shape != expected:
+        raise ValueError(f"`scales` must be float16 {expected}, got {scales.dtype} {scales.shape}")
+    flat = _columns(x, k, "in")
+    out = jax.ShapeDtypeStruct((*packed.shape[:-1], flat.shape[1]), jnp.float32)
+    y = jax.ffi.ffi_call("jaxlm_w4_matmul", out)(packed, scales, flat)
+    return y.reshape(*packed.shape[:-1], *x.shape[1:])

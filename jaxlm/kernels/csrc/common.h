@@ -1,0 +1,83 @@
+// Shared by the kernels: the instruction-set dispatch and the split of rows over XLA's threads.
+#ifndef JAXLM_KERNELS_COMMON_H_
+#define JAXLM_KERNELS_COMMON_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxlm {
+
+namespace ffi = xla::ffi;
+
+// The paths a kernel has, from the most portable; each CPU runs those up to its best.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+// The path the kernels take: the CPU's best, or a lower one that `JaxlmKernelsLimitIsa` chose
+// (tests force each path a machine can run).
+Isa ActiveIsa();
+
+inline int64_t RoundUp(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
+// IEEE half to float, for the portable path (the vector paths convert in hardware).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-24, exact in float.
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  const uint32_t bits = exponent == 0x1f ? sign | 0x7f800000u | (mantissa << 13)
+                                         : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Runs `fn(begin, end)` over the rows [0, rows) in chunks of `grain`, taken in turn by the
+// calling thread and by tasks on XLA's own pool. The caller returns once every chunk is done; a
+// task that starts later finds none left and touches only the shared counters it owns a share
+// of, so the caller never waits for a pool thread that is busy elsewhere.
+template <typename Fn>
+void ParallelRows(ffi::ThreadPool& pool, int64_t rows, int64_t grain, const Fn& fn) {
+  const int64_t chunks = (rows + grain - 1) / grain;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  if (helpers <= 0) {
+    fn(int64_t{0}, rows);
+    return;
+  }
+  struct Counters {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto work = [counters, chunks, grain, rows, &fn] {
+    for (int64_t c; (c = counters->next.fetch_add(1)) < chunks;) {
+      fn(c * grain, std::min(rows, (c + 1) * grain));
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
+  work();
+  while (counters->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+// Rows per chunk: about four chunks per thread, so that a slow thread delays little, and a
+// multiple of `block`, the rows a vector path takes at once.
+inline int64_t RowGrain(ffi::ThreadPool& pool, int64_t rows, int64_t block) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  return std::max(block, RoundUp((rows + 4 * threads - 1) / (4 * threads), block));
+}
+
+}  // namespace jaxlm
+
+#endif  // JAXLM_KERNELS_COMMON_H_

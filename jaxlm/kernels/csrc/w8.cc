@@ -1,0 +1,238 @@
+// `w @ x` for int8 weights with one float32 scale per row and float32 activations, each column
+// of `x` rounded inside to two int8 digits sharing one step (as `jaxlm.ops.quantized_matmul`
+// rounds them for XLA's integer dot): the weights are read once for both digits, which is the
+// cost of a decode step. The integer sums are exact, so every path gives the same bits.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define JAXLM_X86 1
+#endif
+
+namespace jaxlm {
+namespace {
+
+// The second digit counts steps this many times finer than the first's.
+constexpr float kDigit = 254.0f;
+
+// The activations' digits: `count` vectors of `stride` bytes (the input rounded up to 64), the
+// two digits of column c at 2c and 2c + 1; for the AVX512-VNNI path offset by 128 to unsigned
+// bytes, whose product with the weights less 128 times the row's sum is the signed product.
+struct Digits {
+  std::vector<int8_t> values;
+  std::vector<float> steps;
+  int64_t stride;
+  int count;
+};
+
+Digits Round(const float* x, int64_t in, int64_t cols, bool offset) {
+  Digits d{std::vector<int8_t>(2 * cols * RoundUp(in, 64), 0), std::vector<float>(cols),
+           RoundUp(in, 64), static_cast<int>(2 * cols)};
+  for (int64_t c = 0; c < cols; ++c) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < in; ++k) amax = std::fmax(amax, std::fabs(x[k * cols + c]));
+    float step = amax / 127.0f;
+    step = step == 0.0f ? 1.0f : step;
+    const float finer = kDigit / step;
+    int8_t* hi = d.values.data() + 2 * c * d.stride;
+    int8_t* lo = hi + d.stride;
+    const int bias = offset ? 128 : 0;
+    for (int64_t k = 0; k < in; ++k) {
+      const float v = x[k * cols + c];
+      const float h = std::nearbyint(v / step);
+      const float l = std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint((v - h * step) * finer)));
+      hi[k] = static_cast<int8_t>(static_cast<int>(h) + bias);
+      lo[k] = static_cast<int8_t>(static_cast<int>(l) + bias);
+    }
+    d.steps[c] = step;
+  }
+  return d;
+}
+
+// sums[(r - r0) * count + j] = sum_k w[r, k] * digit j [k], for rows [r0, r1).
+void SumsPortable(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
+                  int32_t* sums) {
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int j = 0; j < x.count; ++j) {
+      const int8_t* xj = x.values.data() + j * x.stride;
+      int32_t s = 0;
+      for (int64_t k = 0; k < in; ++k) s += int32_t{w[r * in + k]} * xj[k];
+      sums[(r - r0) * x.count + j] = s;
+    }
+  }
+}
+
+#ifdef JAXLM_X86
+
+// AVX2: `maddubs` multiplies unsigned by signed bytes, so each product is taken as |w| times x
+// with w's sign (llama.cpp's trick); a pair of products stays within int16 (2 * 128 * 127).
+template <int NR, int ND>
+__attribute__((target("avx2,fma"))) void TileAvx2(const int8_t* w, int64_t in, const int8_t* x,
+                                                  int64_t stride, int32_t* out, int count) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[NR][ND];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < ND; ++j) acc[i][j] = _mm256_setzero_si256();
+  const int64_t full = in / 32 * 32;
+  for (int64_t k = 0; k < full; k += 32) {
+    __m256i xs[ND];
+    for (int j = 0; j < ND; ++j) xs[j] = _mm256_loadu_si256((const __m256i*)(x + j * stride + k));
+    for (int i = 0; i < NR; ++i) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + i * in + k));
+      const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+      for (int j = 0; j < ND; ++j) {
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs[j], wv));
+        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < ND; ++j) {
+      const __m128i half =
+          _mm_add_epi32(_mm256_castsi256_si128(acc[i][j]), _mm256_extracti128_si256(acc[i][j], 1));
+      const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+      int32_t s = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
+      for (int64_t k = full; k < in; ++k) s += int32_t{w[i * in + k]} * x[j * stride + k];
+      out[i * count + j] = s;
+    }
+  }
+}
+
+// AVX512-VNNI: `dpbusd` multiplies the digits offset to unsigned bytes by the signed weights;
+// the row's sum (the same instruction against ones) takes the offset back out. The last part
+// of a row is read through a mask, which reads zeros past its end.
+template <int NR, int ND>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void TileVnni(const int8_t* w, int64_t in,
+                                                                     const int8_t* x,
+                                                                     int64_t stride, int32_t* out,
+                                                                     int count) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[NR][ND], rowsum[NR];
+  for (int i = 0; i < NR; ++i) {
+    rowsum[i] = _mm512_setzero_si512();
+    for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < in; k += 64) {
+    const __mmask64 mask = in - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (in - k)) - 1;
+    __m512i xs[ND];
+    for (int j = 0; j < ND; ++j) xs[j] = _mm512_loadu_si512(x + j * stride + k);
+    for (int i = 0; i < NR; ++i) {
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + i * in + k);
+      rowsum[i] = _mm512_dpbusd_epi32(rowsum[i], ones, wv);
+      for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xs[j], wv);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    const int32_t offset = 128 * _mm512_reduce_add_epi32(rowsum[i]);
+    for (int j = 0; j < ND; ++j) out[i * count + j] = _mm512_reduce_add_epi32(acc[i][j]) - offset;
+  }
+}
+
+struct Avx2Path {
+  static constexpr int kRows = 2;
+  template <int NR, int ND>
+  static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride, int32_t* out,
+                   int count) {
+    TileAvx2<NR, ND>(w, in, x, stride, out, count);
+  }
+};
+
+struct VnniPath {
+  static constexpr int kRows = 4;
+  template <int NR, int ND>
+  static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride, int32_t* out,
+                   int count) {
+    TileVnni<NR, ND>(w, in, x, stride, out, count);
+  }
+};
+
+// Every digit vector against NR rows, four at a time (as many accumulators as registers allow).
+template <typename Path, int NR>
+void TileRows(const int8_t* w, int64_t in, const Digits& x, int32_t* out) {
+  const int8_t* xv = x.values.data();
+  int j = 0;
+  for (; j + 4 <= x.count; j += 4) {
+    Path::template Tile<NR, 4>(w, in, xv + j * x.stride, x.stride, out + j, x.count);
+  }
+  const int8_t* rest = xv + j * x.stride;
+  switch (x.count - j) {
+    case 3:
+      Path::template Tile<NR, 3>(w, in, rest, x.stride, out + j, x.count);
+      break;
+    case 2:
+      Path::template Tile<NR, 2>(w, in, rest, x.stride, out + j, x.count);
+      break;
+    case 1:
+      Path::template Tile<NR, 1>(w, in, rest, x.stride, out + j, x.count);
+      break;
+  }
+}
+
+template <typename Path>
+void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
+                int32_t* sums) {
+  int64_t r = r0;
+  for (; r + Path::kRows <= r1; r += Path::kRows) {
+    TileRows<Path, Path::kRows>(w + r * in, in, x, sums + (r - r0) * x.count);
+  }
+  for (; r < r1; ++r) TileRows<Path, 1>(w + r * in, in, x, sums + (r - r0) * x.count);
+}
+
+#endif  // JAXLM_X86
+
+void Sums(Isa isa, const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
+          int32_t* sums) {
+#ifdef JAXLM_X86
+  if (isa == kAvx512Vnni) return SumsVector<VnniPath>(w, in, x, r0, r1, sums);
+  if (isa == kAvx2) return SumsVector<Avx2Path>(w, in, x, r0, r1, sums);
+#endif
+  SumsPortable(w, in, x, r0, r1, sums);
+}
+
+ffi::Error W8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto dims = q.dimensions();
+  const auto xdims = x.dimensions();
+  if (dims.size() < 2 || xdims.size() != 2 || xdims[0] != dims.back()) {
+    return ffi::Error::InvalidArgument("w8_matmul: `q` [..., out, in] and `x` [in, cols]");
+  }
+  const int64_t in = dims.back(), cols = xdims[1];
+  const int64_t rows = static_cast<int64_t>(scale.element_count());
+  if (rows * in != static_cast<int64_t>(q.element_count())) {
+    return ffi::Error::InvalidArgument("w8_matmul: `scale` needs one value per row of `q`");
+  }
+  const Isa isa = ActiveIsa();
+  const Digits digits = Round(x.typed_data(), in, cols, isa == kAvx512Vnni);
+  const int8_t* w = q.typed_data();
+  const float* s = scale.typed_data();
+  float* out = y->typed_data();
+  ParallelRows(pool, rows, RowGrain(pool, rows, 4), [&](int64_t r0, int64_t r1) {
+    std::vector<int32_t> sums((r1 - r0) * digits.count);
+    Sums(isa, w, in, digits, r0, r1, sums.data());
+    for (int64_t r = r0; r < r1; ++r) {
+      const int32_t* rs = sums.data() + (r - r0) * digits.count;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float step = digits.steps[c];
+        const float v = static_cast<float>(rs[2 * c]) * step +
+                        static_cast<float>(rs[2 * c + 1]) * (step / kDigit);
+        out[r * cols + c] = v * s[r];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxlm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlmW8Matmul, jaxlm::W8Matmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

@@ -1,0 +1,184 @@
+"""The native CPU products (`jaxlm.kernels`) against NumPy computations of the same quantized
+products, on every path this CPU runs; the 4-bit format against `gguf.quants`; bad input; the
+fallback to XLA's products; the C++ sources' formatting."""
+
+from __future__ import annotations
+
+import subprocess
+import warnings
+from pathlib import Path
+
+import clang_format
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import kernels, ops
+from jaxlm.kernels import int4
+
+CSRC = Path(kernels.__file__).parent / "csrc"
+COLUMNS = (1, 2, 3, 8, 64)
+# Every path of the kernels this CPU runs; the library is built by `pip install`.
+ISAS = kernels.cpu_isas()
+
+
+def test_library_is_built_and_runs_the_best_path():
+    assert kernels.available()
+    assert ISAS[0] == "portable" and kernels.isa() == ISAS[-1]
+
+
+def w8_reference(q: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`jaxlm.ops.quantized_matmul`'s product after the rotation: each column of `x` rounded
+    to two int8 digits, multiplied exactly, rescaled in float32 as the kernel does."""
+    step = np.abs(x).max(0) / np.float32(127)
+    step = np.where(step == 0, np.float32(1), step)
+    hi = np.round(x / step)
+    lo = np.clip(np.round((x - hi * step) * (np.float32(254) / step)), -127, 127)
+    w = q.reshape(-1, q.shape[-1]).astype(np.int64)
+    sums_hi = (w @ hi.astype(np.int64)).astype(np.float32)
+    sums_lo = (w @ lo.astype(np.int64)).astype(np.float32)
+    y = (sums_hi * step + sums_lo * (step / np.float32(254))) * scale.reshape(-1, 1)
+    return y.reshape(*q.shape[:-1], x.shape[1])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("cols", COLUMNS)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (13, 64), (2, 5, 200), (9, 577)])
+def test_w8_equals_numpy(isa, cols, shape):
+    rng = np.random.default_rng(cols)
+    q = rng.integers(-128, 128, shape, dtype=np.int8)
+    scale = rng.random(shape[:-1], np.float32)
+    x = rng.standard_normal((shape[-1], cols), np.float32)
+    x[:, 0] *= 1e3  # columns on their own scales
+    if cols > 2:
+        x[:, 2] = 0  # a column of zeros: its step is 1
+    with kernels.limited_to(isa):
+        y = jax.jit(kernels.w8_matmul)(q, scale, x)
+    # Integer sums are exact and the rescaling is the reference's, operation for operation.
+    np.testing.assert_array_equal(np.asarray(y), w8_reference(q, scale, x))
+
+
+def w4_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The 4-bit product: `x` rounded to int8 per block of 32 (step = max |x| / 127), the
+    values multiplied exactly, each block's sum weighed by its scales, in float64."""
+    k, cols = x.shape
+    blocks = x.reshape(k // 32, 32, cols)
+    step = np.abs(blocks).max(1) / np.float32(127)  # [blocks, cols]
+    xq = np.round(blocks / np.where(step == 0, 1, step)[:, None]).astype(np.int64)
+    q = np.asarray(int4.values(packed), np.int64).reshape(-1, k // 32, 32)
+    dots = np.einsum("rbe,bec->rbc", q, xq).astype(np.float64)
+    d, m = (scales.reshape(-1, k // 32, 2)[..., i, None].astype(np.float64) for i in (0, 1))
+    y = (d * step * dots + m * step * xq.sum(1)).sum(1)
+    return y.reshape(*packed.shape[:-1], cols)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("cols", COLUMNS)
+@pytest.mark.parametrize("shape", [(1, 32), (5, 96), (3, 4, 160), (17, 576)])
+def test_w4_equals_numpy(isa, cols, shape):
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal(shape, np.float32)
+    packed, scales = map(np.asarray, jax.jit(int4.quantize)(w))
+    x = rng.standard_normal((shape[-1], cols), np.float32)
+    x[:32, 0] = 0  # a block of zeros: its step is 0
+    with kernels.limited_to(isa):
+        y = np.asarray(jax.jit(kernels.w4_matmul)(packed, scales, x))
+    expected = w4_reference(packed, scales, x)
+    # The paths sum the blocks' float32 terms in other orders than NumPy's float64.
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def random_gguf_blocks(kind, count: int, rng) -> np.ndarray:
+    """`count` blocks of `kind` with random nibbles and scales of every magnitude."""
+    size = int4.GGUF_TYPES[kind]
+    blocks = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    halves = rng.standard_normal((count, 2)) * 10.0 ** rng.integers(-5, 2, (count, 1))
+    blocks[:, :4] = halves.astype(np.float16).view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", list(int4.GGUF_TYPES))
+def test_gguf_blocks_dequantize_exactly(kind):
+    rng = np.random.default_rng(int(kind))
+    shape = (6, 96)
+    raw = random_gguf_blocks(kind, 6 * 96 // 32, rng)
+    packed, scales = int4.from_gguf(raw.reshape(-1), kind, shape)
+    expected = gguf.quants.dequantize(raw, kind).reshape(shape)
+    np.testing.assert_array_equal(np.asarray(int4.dequantize(packed, scales)), expected)
+
+
+def test_int4_quantize_rounds_to_the_nearest_step():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 64), np.float32)
+    packed, scales = int4.quantize(jnp.asarray(w))
+    d = np.asarray(scales[..., 0], np.float32).repeat(32, -1)
+    off = np.abs(np.asarray(int4.dequantize(packed, scales)) - w)
+    # Within half a step, and the float16 rounding of the minimum.
+    assert (off <= 0.5 * d + 1e-3 * np.abs(w).max()).all()
+    assert packed.dtype == jnp.uint8 and scales.dtype == jnp.float16
+
+
+def test_bad_input_names_the_argument():
+    q, scale, x = np.zeros((4, 64), np.int8), np.zeros(4, np.float32), np.zeros((64, 1))
+    with pytest.raises(ValueError, match="`scale` must be"):
+        kernels.w8_matmul(q, scale[:3], x)
+    with pytest.raises(ValueError, match="`x` must be"):
+        kernels.w8_matmul(q, scale, x[:32])
+    with pytest.raises(ValueError, match="`q` must be int8"):
+        kernels.w8_matmul(q.astype(np.int16), scale, x)
+    packed, scales = int4.quantize(jnp.zeros((4, 64)))
+    with pytest.raises(ValueError, match="`scales` must be float16"):
+        kernels.w4_matmul(packed, scales.astype(jnp.float32), x)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.w4_matmul(packed[:, :8], scales, x[:16])
+    with pytest.raises(ValueError, match="`kind` must be one of `Q4_0`, `Q4_1`"):
+        int4.from_gguf(np.zeros(34, np.uint8), gguf.GGMLQuantizationType.Q8_0, (1, 32))
+    with pytest.raises(ValueError, match="`name` must be one of"), kernels.limited_to("sse2"):
+        pass
+
+
+def custom_calls(fn, *args) -> int:
+    # A function of its own: `jax.jit` keeps the traces of a function it has seen.
+    return jax.jit(lambda *a: fn(*a)).lower(*args).as_text().count("jaxlm_w")
+
+
+def test_switched_off_products_run_through_xla(monkeypatch):
+    rng = np.random.default_rng(0)
+    q, scale = jax.jit(ops.quantize_weight)(rng.standard_normal((24, 64), np.float32))
+    packed, scales = int4.quantize(rng.standard_normal((24, 64), np.float32))
+    x = jnp.asarray(rng.standard_normal((64, 2), np.float32))
+    native = [ops.quantized_matmul(q, scale, x), ops.quantized_matmul(packed, scales, x)]
+    assert custom_calls(ops.quantized_matmul, q, scale, x) == 1
+    monkeypatch.setenv(kernels.SWITCH, "0")
+    assert custom_calls(ops.quantized_matmul, q, scale, x) == 0
+    assert custom_calls(ops.quantized_matmul, packed, scales, x) == 0
+    # The same rounding of the activations for 8 bits; none for XLA's 4-bit product.
+    np.testing.assert_allclose(ops.quantized_matmul(q, scale, x), native[0], rtol=1e-5, atol=1e-5)
+    exact = np.asarray(int4.dequantize(packed, scales)) @ np.asarray(x)
+    np.testing.assert_allclose(ops.quantized_matmul(packed, scales, x), exact, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(native[1], exact, rtol=0.05, atol=0.05 * np.abs(exact).max())
+
+
+def test_a_missing_library_is_reported_once(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    load = kernels._library.__wrapped__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load() is None
+    assert [str(w.message) for w in caught] == [
+        "jaxlm: native CPU kernels unavailable (the library was not built at install); "
+        "quantized products run through XLA"
+    ]
+
+
+def test_cpp_sources_are_formatted():
+    # Google's style (`csrc/.clang-format`), checked by the `clang-format` of the test extra.
+    sources = sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".cc", ".h"))
+    result = subprocess.run(
+        [clang_format.get_executable("clang-format"), "--dry-run", "--Werror", *sources],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
