@@ -119,6 +119,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
     s.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral", "json"),
+        default=None,
+        help="how tool calls are read from the output (default: from the chat template)",
+    )
+    s.add_argument(
         "--shutdown-grace",
         type=float,
         default=5.0,
@@ -256,7 +262,14 @@ def _serve(args) -> None:
         decode_steps=args.decode_steps,
     )
     print(f"{engine.plan}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve.run(engine, name, host=args.host, port=args.port, grace=args.shutdown_grace)
+    serve.run(
+        engine,
+        name,
+        host=args.host,
+        port=args.port,
+        grace=args.shutdown_grace,
+        tool_call_parser=args.tool_call_parser,
+    )
 
 
 def _without_ynnpack(dtype, quantize) -> None:

@@ -105,6 +105,15 @@ class Grammar:
         except ValueError as e:
             raise GrammarError(f"`{self.field}` does not compile: {e}") from None
 
+    def check(self) -> None:
+        """Raise `GrammarError` where `llguidance` cannot compile the grammar, for any tokenizer."""
+        llg = _llguidance()
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            self.to_llguidance(), None, limits=_limits(llg)
+        )
+        if failed:
+            raise GrammarError(f"`{self.field}` is not supported: {_first_line(messages)}")
+
 
 def grammar_of(response_format, field: str = "response_format") -> Grammar | None:
     """The `Grammar` of OpenAI's `response_format`: `{"type": "text"}` (none),
@@ -189,7 +198,7 @@ class Grammars:
         llg = _llguidance()
         source = grammar.to_llguidance()
         tok = self._tok()
-        limits = llg.LLParserLimits(verbose_errors=False)
+        limits = _limits(llg)
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(source, tok, limits=limits)
         if failed:
             raise GrammarError(f"`{grammar.field}` is not supported: {_first_line(messages)}")
@@ -206,6 +215,11 @@ class Grammars:
         import llguidance.numpy as lln
 
         lln.fill_next_token_bitmask_par(self._executor, [(m._m, r) for m, r in rows], mask)
+
+
+def _limits(llg):
+    # Errors that quote the parser's state would echo a request's whole grammar.
+    return llg.LLParserLimits(verbose_errors=False)
 
 
 def _first_line(messages: list[str]) -> str:

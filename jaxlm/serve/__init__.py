@@ -27,14 +27,15 @@ def run(
     host: str = "127.0.0.1",
     port: int = 8000,
     grace: float = GRACEFUL_SHUTDOWN_S,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Serve `engine` until SIGINT or SIGTERM. Then the server takes no new request, lets those
     running finish for `grace` seconds and cuts the rest (a stream ends with a last chunk whose
     `finish_reason` is `"abort"` and `data: [DONE]`, another request with a 503), closes the
-    engine and releases the port."""
+    engine and releases the port. `tool_call_parser` is `create_app`'s."""
     from jaxlm.serve import http
 
-    app = create_app(engine, model_name, close_engine=True)
+    app = create_app(engine, model_name, close_engine=True, tool_call_parser=tool_call_parser)
     config = http.config(app, host=host, port=port, grace=grace)
     # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: exit 0 then,
     # as the server has stopped cleanly (SIGINT raises `KeyboardInterrupt` as usual).

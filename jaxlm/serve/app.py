@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxlm.batching.scheduler import QueueFullError
-from jaxlm.serve import protocol
+from jaxlm.serve import protocol, tokens, tools
 from jaxlm.serve.body import BODY_TIMEOUT_S, read_json
 from jaxlm.serve.metrics import Metrics
 from jaxlm.serve.protocol import APIError, quote
@@ -152,10 +153,21 @@ def _sse(data) -> str:
 class Server:
     """The endpoints of one engine serving one model under `model_name`."""
 
-    def __init__(self, engine, model_name: str, body_timeout: float = BODY_TIMEOUT_S):
+    def __init__(
+        self,
+        engine,
+        model_name: str,
+        body_timeout: float = BODY_TIMEOUT_S,
+        tool_call_parser: str | None = None,
+    ):
         if engine.tokenizer is None:
             raise ValueError("`jaxlm serve` needs a tokenizer to read and write text")
+        if tool_call_parser not in (None, *tools.PARSERS):
+            raise ValueError(
+                f"`tool_call_parser` is one of {tools.PARSERS}, not {tool_call_parser!r}"
+            )
         self.engine, self.tokenizer, self.model_name = engine, engine.tokenizer, model_name
+        self.tool_parser = tool_call_parser or tools.parser_of(self.tokenizer.chat_template)
         self.body_timeout = body_timeout
         self.metrics = Metrics(engine)
         self.created = protocol.now()
@@ -236,9 +248,9 @@ class Server:
             choices.cancel()
             raise APIError(503, str(e)) from None
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], calls: tools.Tools | None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tools.render(self.tokenizer, messages, calls)
         except Exception as e:  # the template's own checks (role order, ...) raise anything
             raise APIError(400, f"the chat template refused `messages`: {e}", "messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
@@ -318,7 +330,7 @@ class Server:
         outputs = await self._wait(request, choices)
         self._observe(endpoint, choices, outputs)
         body = [
-            {"index": i, **choice(out), "finish_reason": protocol.finish_reason(out)}
+            {"index": i, "finish_reason": protocol.finish_reason(out), **choice(out)}
             for i, out in enumerate(outputs)
         ]
         return JSONResponse({**head, "choices": body, "usage": self._usage(choices, outputs)})
@@ -354,7 +366,10 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
         parsed, messages = protocol.parse_chat(body)
-        prompt = await run_in_threadpool(self._chat_prompt, messages)
+        calls = tools.parse_tools(body)
+        if calls is not None and calls.forced:
+            parsed.sampling["response_format"] = calls.grammar()
+        prompt = await run_in_threadpool(self._chat_prompt, messages, calls)
         choices = await self._start([prompt], parsed, "messages")
         head = dict(
             id=protocol.new_id("chatcmpl"),
@@ -364,16 +379,23 @@ class Server:
         )
         if parsed.stream:
             head["object"] = "chat.completion.chunk"
-            return _EventStream(self._stream_chat(head, parsed, choices), choices, self.running)
-        return await self._respond(request, "chat", head, choices, self._chat_choice)
+            stream = self._stream_chat(head, parsed, choices, calls)
+            return _EventStream(stream, choices, self.running)
+        choice = lambda out: self._chat_choice(out, calls)
+        return await self._respond(request, "chat", head, choices, choice)
 
-    def _chat_choice(self, out) -> dict:
+    def _chat_choice(self, out, calls: tools.Tools | None) -> dict:
         logprobs = None
         if out.logprobs is not None:
             logprobs = protocol.chat_logprobs(self.tokenizer, out.logprobs)
-        return {"message": {"role": "assistant", "content": out.text}, "logprobs": logprobs}
+        message = {"role": "assistant", "content": out.text}
+        if calls is None:
+            return {"message": message, "logprobs": logprobs}
+        message, called = tools.message(out.text, calls, self.tool_parser)
+        reason = {"finish_reason": "tool_calls"} if called else {}
+        return {"message": message, "logprobs": logprobs, **reason}
 
-    async def _stream_chat(self, head, parsed, choices) -> AsyncIterator[str]:
+    async def _stream_chat(self, head, parsed, choices, calls) -> AsyncIterator[str]:
         extra = {"usage": None} if parsed.include_usage else {}
 
         def chunk(i, delta, logprobs=None, reason=None) -> str:
@@ -384,14 +406,23 @@ class Server:
             yield chunk(i, {"role": "assistant", "content": ""})
         async for batch in choices.updates():
             for i, deltas, finished in batch:
-                for d in deltas:
+                # With tools, the text is held until it ends: only then is it known to be a call.
+                for d in [] if calls is not None else deltas:
                     logprobs = None
                     if d.logprobs is not None:
                         logprobs = protocol.chat_logprobs(self.tokenizer, d.logprobs)
                     if d.text or logprobs:
                         yield chunk(i, {"content": d.text}, logprobs)
                 if finished:
-                    reason = protocol.finish_reason(choices.handles[i].result())
+                    out = choices.handles[i].result()
+                    reason = protocol.finish_reason(out)
+                    if calls is not None:
+                        message, called = tools.message(out.text, calls, self.tool_parser)
+                        if message["content"]:
+                            yield chunk(i, {"content": message["content"]})
+                        for k, call in enumerate(message.get("tool_calls", [])):
+                            yield chunk(i, {"tool_calls": [{"index": k, **call}]})
+                        reason = "tool_calls" if called else reason
                     yield chunk(i, {}, reason=reason)
         yield self._stream_end("chat", head, parsed, choices)
 
@@ -420,16 +451,19 @@ def create_app(
     *,
     close_engine: bool = False,
     body_timeout: float = BODY_TIMEOUT_S,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """The OpenAI-compatible application over `engine`; with `close_engine`, the application's
     shutdown closes the engine (its requests still running end as cancelled). A body that takes
-    longer than `body_timeout` seconds to arrive is answered 408.
+    longer than `body_timeout` seconds to arrive is answered 408. `tool_call_parser` reads tool
+    calls out of the model's output (`jaxlm.serve.tools.PARSERS`); by default, the chat
+    template's format.
 
     Example:
         >>> app = create_app(jaxlm.LLMEngine(model, tokenizer, budget="2GiB"), "smollm2")
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
     """
-    server = Server(engine, model_name, body_timeout)
+    server = Server(engine, model_name, body_timeout, tool_call_parser)
 
     async def api_error(request: Request, error: APIError) -> Response:
         return _error_response(error)
@@ -450,6 +484,8 @@ def create_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/tokenize", functools.partial(tokens.tokenize, server), methods=["POST"]),
+        Route("/detokenize", functools.partial(tokens.detokenize, server), methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]

@@ -3,13 +3,14 @@
 Every check raises `APIError` with the status, the field and a message that names its limit, so
 the server answers a bad request with OpenAI's error shape and never reaches the engine with it.
 Fields OpenAI defines that jaxlm does not implement are refused when they would change the
-output (`echo`, `presence_penalty`, ...) and ignored when they would not (`user`); fields
+output (`echo`, `functions`, ...) and ignored when they would not (`user`); fields
 OpenAI does not define are ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 
 from jaxlm.batching.handle import RequestOutput, TokenLogprob
 from jaxlm.batching.step import TOP_LOGPROBS
-from jaxlm.requests import is_int
+from jaxlm.constrain import Grammar, GrammarError, grammar_of
+from jaxlm.requests import BIAS_RANGE, PENALTY_RANGE, is_int
 
 # The most choices one request may ask for (`n`, times the prompts of a completion).
 MAX_CHOICES = 16
@@ -153,14 +155,13 @@ def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
     seed = body.get("seed")
     if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**64):
         raise _bad("seed", f"`seed` must be a 64-bit integer, got {quote(seed)}")
-    _unsupported(
-        body,
-        presence_penalty=(0, 0.0),
-        frequency_penalty=(0, 0.0),
-        logit_bias=({},),
-        tools=([],),
-        functions=([],),
-    )
+    _unsupported(body, functions=([],))
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise _bad("logit_bias", "`logit_bias` must map token ids to numbers")
+    if logit_bias and not all(isinstance(v, int | float) for v in logit_bias.values()):
+        raise _bad("logit_bias", f"`logit_bias` values must be numbers in ±{BIAS_RANGE:g}")
+    penalty = dict(low=-PENALTY_RANGE, high=PENALTY_RANGE)
     top_k = _number(body, "top_k", None, integer=True, low=-1, high=2**31 - 1)
     sampling = dict(
         temperature=_number(body, "temperature", 1.0, low=0),
@@ -173,9 +174,48 @@ def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
         stop_token_ids=[] if _bool(body, "ignore_eos") else None,
         seed=seed,
         logprobs=logprobs,
+        presence_penalty=_number(body, "presence_penalty", 0.0, **penalty),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, **penalty),
+        logit_bias=logit_bias,
+        response_format=_grammar(body),
     )
     sampling["max_new_tokens"] = max_tokens
     return sampling, n, stream, include_usage
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """The constraint of OpenAI's `response_format` or vLLM's `structured_outputs` (`json`,
+    `regex`, `choice`, `grammar`, `json_object`); compiled by the engine when it is submitted."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None:
+        raise _bad("structured_outputs", "give `response_format` or `structured_outputs`, not both")
+    try:
+        if extra is None:
+            return grammar_of(fmt)
+        if not isinstance(extra, dict):
+            raise _bad("structured_outputs", "`structured_outputs` must be an object")
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if k in extra]
+        if len(given) != 1:
+            raise _bad(
+                "structured_outputs",
+                "`structured_outputs` takes one of `json`, `regex`, `choice`, `grammar` and "
+                "`json_object`",
+            )
+        kind, value = given[0], extra[given[0]]
+        field = f"structured_outputs.{kind}"
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _bad(field, f"`{field}` is not valid JSON") from None
+        if kind == "choice" and not isinstance(value, list):
+            raise _bad(field, f"`{field}` must be a list of strings")
+        if kind == "json_object":
+            return Grammar.json(None, field) if value is True else None
+        return Grammar(kind, tuple(value) if kind == "choice" else value, field)
+    except GrammarError as e:
+        param = "structured_outputs" if extra is not None else "response_format"
+        raise _bad(param, str(e)) from None
 
 
 def parse_completion(body: dict) -> Parsed:
@@ -218,27 +258,60 @@ def _content(message: dict, i: int) -> str:
     return content
 
 
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's `tool_calls`, checked: each a function's name and arguments."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(param, f"`{param}` must be a list")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise _bad(param, f"each of `{param}` needs `function` with `name` and `arguments`")
+        call_id = call.get("id")
+        out.append(
+            {
+                "id": call_id if isinstance(call_id, str) else new_id("call"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": fn["arguments"]},
+            }
+        )
+    return out
+
+
 def parse_chat(body: dict) -> tuple[Parsed, list[dict]]:
     """The body of `POST /v1/chat/completions`, and its messages as the chat template takes
     them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "`messages` must be a non-empty list")
-    out = []
+    out, names = [], {}
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "a message must be an object with a string `role`")
-        if m["role"] not in ("system", "developer", "user", "assistant"):
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
             raise _bad(f"messages[{i}].role", f"unsupported role {quote(m['role'])}")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m, i)})
+        message = {"role": role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            names.update((c["id"], c["function"]["name"]) for c in message["tool_calls"])
+        if role == "tool":
+            call = m.get("tool_call_id")
+            if not isinstance(call, str):
+                raise _bad(f"messages[{i}].tool_call_id", "a tool message needs `tool_call_id`")
+            message.update(tool_call_id=call, name=names.get(call, call))
+        out.append(message)
     want = _bool(body, "logprobs")
     top = _number(body, "top_logprobs", None, low=0, high=TOP_LOGPROBS, integer=True)
     if top is not None and not want:
         raise _bad("top_logprobs", "`top_logprobs` needs `logprobs: true`")
     name = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
     max_tokens = _number(body, name, None, low=1, integer=True)
-    _unsupported(body, response_format=({"type": "text"},), tool_choice=("none",))
     logprobs = (top or 0) if want else None
     sampling, n, stream, usage = _common(body, logprobs, max_tokens)
     return Parsed([None], sampling, n, stream, usage, logprobs, max_tokens), out
