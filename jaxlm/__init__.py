@@ -12,7 +12,7 @@ from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.config import ModelConfig
 from jaxlm.diagnostics import CompileCounter
 from jaxlm.errors import JaxlmError, LoadError, PlanError
-from jaxlm.generate import GenerationResult, chat, generate, stream
+from jaxlm.generate import GenerationPlans, GenerationResult, chat, generate, plans_of, stream
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -30,6 +30,7 @@ __all__ = [
     "EngineStats",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GenerationPlans",
     "GenerationResult",
     "JaxlmError",
     "LLMEngine",
@@ -51,6 +52,7 @@ __all__ = [
     "generate",
     "load",
     "plan",
+    "plans_of",
     "quantize",
     "shard",
     "stream",

@@ -12,8 +12,9 @@ Shapes are bucketed so that new requests rarely compile:
 - `max_new_tokens` is rounded up to a power of two of at least 16 for the size of the cache;
   the loop itself stops at the exact number asked for, which is a traced value;
 - sampling parameters are traced per-row values: changing them never compiles.
-Without a `plan`, one is made for the bucketed shape (batch, prompt + new tokens) and cached on
-the model for later requests of the same shape.
+Without a `plan`, one is made for the bucketed shape (batch, prompt + new tokens) and kept for
+later requests of the same shape: the `KEPT_PLANS` most recent are kept, and only the one in
+use holds scratch between calls (`jaxlm.plans_of`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_requ
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 16
 STREAM_CHUNK = 8
+# The plans kept per model for the shapes requests ran; an older one compiles again if needed.
+KEPT_PLANS = 4
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -115,11 +118,69 @@ def _plan_for(
     # executables it accounts for are the ones the request runs.
     key = (batch, p, seq, steps)
     with _PLAN_LOCK:
-        if key not in engine.plans:
-            engine.plans[key] = plan(
+        plans = engine.plans
+        the_plan = plans.pop(key, None)
+        if the_plan is None:
+            the_plan = plan(
                 model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk, steps=steps
             )
-        return engine.plans[key]
+        plans[key] = the_plan  # the most recent last
+        # Only the plan in use keeps scratch between requests, and the `KEPT_PLANS` most
+        # recent keep their executables: a model's memory stays within its largest plan's bill.
+        for other in list(plans.values())[:-1]:
+            other.release()
+        the_plan.pooling = True
+        while len(plans) > KEPT_PLANS:
+            plans.pop(next(iter(plans)))
+        return the_plan
+
+
+class GenerationPlans:
+    """The plans `generate`, `stream` and `chat` keep for a model (`jaxlm.plans_of`), the most
+    recent first: each compiled for one bucketed shape (rows, prompt, cache length). Only the
+    most recent holds scratch between calls, and at most `KEPT_PLANS` are kept; `clear()` frees
+    them all.
+
+    Example:
+        >>> jaxlm.generate(model, tokenizer, "Hello", max_new_tokens=8)
+        >>> plans = jaxlm.plans_of(model)
+        >>> plans                        # each plan's shapes and bill, and which holds scratch
+        >>> plans.clear()                # the next call plans again
+    """
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def _plans(self) -> list[Plan]:
+        with _PLAN_LOCK:
+            return list(self._engine.plans.values())[::-1]
+
+    def __iter__(self) -> Iterator[Plan]:
+        return iter(self._plans())
+
+    def __len__(self) -> int:
+        return len(self._engine.plans)
+
+    def __getitem__(self, i: int) -> Plan:
+        return self._plans()[i]
+
+    def clear(self) -> None:
+        """Drop every plan, its executables and its scratch (requests running keep theirs)."""
+        with _PLAN_LOCK:
+            for p in self._engine.plans.values():
+                p.release()
+            self._engine.plans.clear()
+
+    def __repr__(self) -> str:
+        rows = [f"  {p!r}" + (", holds its scratch" if p.pooled else "") for p in self._plans()]
+        return "\n".join(
+            [f"{len(rows)} plans (at most {KEPT_PLANS}), the most recent first:", *rows]
+        )
+
+
+def plans_of(model) -> GenerationPlans:
+    """The plans `generate`, `stream` and `chat` keep for `model`; see `GenerationPlans`."""
+    return GenerationPlans(engine_of(model))
 
 
 def request_plan(

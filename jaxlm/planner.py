@@ -79,6 +79,7 @@ class Plan(Bill):
         self.executables_host_bytes = executables_host_bytes
         self.mesh = engine.partitioner.mesh if engine.partitioner else None
         self._pool: list[dict] = []
+        self.pooling = True
         self._pool_lock = threading.Lock()
         self._ran = False
 
@@ -152,9 +153,23 @@ class Plan(Bill):
         return self.allocate()
 
     def keep(self, scratch: dict) -> None:
-        """Return a scratch to the plan's pool once its request is done."""
+        """Return a scratch to the plan's pool once its request is done; a plan that does not
+        pool (`generate` pools only in the plan it used last) drops it."""
         with self._pool_lock:
-            self._pool.append(scratch)
+            if self.pooling:
+                self._pool.append(scratch)
+
+    def release(self) -> None:
+        """Drop the idle scratch of the pool and stop pooling: the plan's scratch now lives only
+        while a request runs it."""
+        with self._pool_lock:
+            self.pooling = False
+            self._pool.clear()
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the plan holds idle scratch."""
+        return bool(self._pool)
 
     def step(self, name: str, prompt_len: int | None = None, chunk: int | None = None):
         """The executable of step `name` (`"generate"`, `"start"` or `"decode"`) for prompts of

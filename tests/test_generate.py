@@ -296,3 +296,28 @@ def test_generate_runs_weights_quantized_in_place(tiny_llama):
     # Nothing keeps the float weights: the steps and plans made for them went with them.
     gc.collect()
     assert floats() is None
+
+
+def test_plans_kept_are_bounded_and_only_the_last_holds_scratch(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    gc.collect()
+    before = sum(x.nbytes for x in jax.live_arrays())
+    rng = np.random.default_rng(0)
+    # Six shapes of six buckets (rows, prompt and cache lengths), up to the model's context.
+    shapes = [(1, 10), (8, 120), (2, 40), (8, 20), (4, 70), (1, 100)]
+    for i in rng.permutation(len(shapes)):
+        rows, length = shapes[i]
+        prompts = rng.integers(0, 90, (rows, length)).tolist()
+        jaxlm.generate(model, None, prompts, max_new_tokens=4, stop_token_ids=[])
+    plans = jaxlm.plans_of(model)
+    assert len(plans) == jaxlm.generate.__globals__["KEPT_PLANS"] == 4
+    assert [p.pooled for p in plans] == [True, False, False, False]
+    # Beside the weights, what stays live is the scratch of one plan, at most the largest's.
+    gc.collect()
+    live = sum(x.nbytes for x in jax.live_arrays()) - before
+    largest = jaxlm.plan(model, max_batch=8, max_seq_len=128 + 16)
+    assert live == plans[0].scratch_bytes <= largest.scratch_bytes
+    assert "holds its scratch" in repr(plans).splitlines()[1]
+    plans.clear()
+    gc.collect()
+    assert len(plans) == 0 and sum(x.nbytes for x in jax.live_arrays()) == before

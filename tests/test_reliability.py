@@ -164,6 +164,9 @@ def test_200_calls_keep_live_arrays_and_compile_nothing(tiny_chat, record_proper
         for ids, new, sampling in requests:
             out = jaxlm.generate(model, tok, ids, max_new_tokens=new, **sampling).token_ids[0]
             assert len(out) <= new and all(0 <= t < vocab for t in out)
+        # The plan used last holds its scratch between calls (`jaxlm.plans_of`): end on the
+        # warm-up's last bucket, as before.
+        jaxlm.generate(model, tok, list(range(3, 3 + LONG[0])), max_new_tokens=16)
     after, arrays_after = live(), len(jax.live_arrays())
     generation = [n for n in warmup_names.names if "_generate" in n]
     figures = dict(

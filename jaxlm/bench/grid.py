@@ -148,9 +148,9 @@ def _first_call(runner: JaxlmRunner, cell: tuple[int, int, int], prompts, label:
 
 def _drop_plans(runner: JaxlmRunner) -> None:
     """Free the plans of `runner`'s model: `generate` keeps the plans it made."""
-    from jaxlm.engine import engine_of
+    from jaxlm.generate import plans_of
 
-    engine_of(runner.model).plans.clear()
+    plans_of(runner.model).clear()
     gc.collect()
 
 
