@@ -73,6 +73,8 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
 
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# The steps `jaxlm.plan` compiles, by name.
+PLAN_STEPS = ("generate", "start", "decode")
 
 
 def _sampling(args) -> dict:
@@ -100,6 +102,14 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-seq-len", type=_positive_int, default=None)
     pl.add_argument("--budget", default=None, help="bytes or a size such as 1.5GiB")
     pl.add_argument("--prefill-chunk", type=_positive_int, default=None)
+    pl.add_argument(
+        "--steps",
+        nargs="+",
+        choices=PLAN_STEPS,
+        default=None,
+        help="the steps to compile and bill: generate (prompt and decode loop in one call), "
+        "start and decode (as streaming runs them); default: generate decode",
+    )
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs `jaxlm[serve]`)")
     _model_options(s)
@@ -221,6 +231,7 @@ def _plan(args) -> None:
         max_seq_len=args.max_seq_len,
         budget=args.budget,
         prefill_chunk=args.prefill_chunk,
+        steps=tuple(dict.fromkeys(args.steps)) if args.steps else None,
     )
     print(plan)
 

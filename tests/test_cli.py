@@ -69,9 +69,9 @@ def test_plan_prints_the_bill_without_loading_weights(env):
 
 
 def test_plan_over_budget(env):
-    # Below the weights' bytes no length fits, so the refusal compiles one plan; fitting a
-    # budget is `tests/test_plan.py`'s.
-    out = run(env, "plan", "--max-seq-len", "1024", "--budget", "300MiB")
+    # Below the weights' bytes no length fits, so the refusal compiles one plan, of the decode
+    # step alone; fitting a budget is `tests/test_plan.py`'s.
+    out = run(env, "plan", "--max-seq-len", "1024", "--budget", "300MiB", "--steps", "decode")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1
     assert "over the budget" in out.stderr and "`max_seq_len=1024`" in out.stderr
@@ -87,6 +87,7 @@ def test_plan_over_budget(env):
         (("generate", "Hi", "--top-p", "1.5"), "`top_p`"),
         (("chat", "--repetition-penalty", "0"), "`repetition_penalty`"),
         (("generate", "Hi", "--dtype", "int4"), "--dtype"),
+        (("plan", "--max-seq-len", "64", "--steps", "prefill"), "invalid choice: 'prefill'"),
         (("translate", "Hi"), "invalid choice: 'translate'"),
         ((), "the following arguments are required"),
     ],
@@ -140,8 +141,10 @@ def test_generate_and_chat_turn_off_ynnpack_for_float32_unless_told(monkeypatch)
 
 
 def test_plan_of_int8_weights(env):
-    out = run(env, "plan", "--max-seq-len", "512", "--quantize", "int8")
+    # The weights are billed without compiling more than the one step asked for.
+    out = run(env, "plan", "--max-seq-len", "512", "--quantize", "int8", "--steps", "decode")
     assert out.returncode == 0, out.stderr
+    assert "XLA `decode`" in out.stdout and "XLA `generate`" not in out.stdout
     # SmolLM2 by hand: 134,515,008 parameters, of which 61 norms of 576 stay float32; a float32
     # scale for each of the 49,152 rows of the embedding and 30 x 5,184 rows of the layers.
     norms, rows = 61 * 576, 49152 + 30 * (3 * 5 * 64 + 576 + 2 * 1536 + 576)
