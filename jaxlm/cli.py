@@ -48,9 +48,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=_dtype, default="float32", help="float32, bfloat16, float16")
     p.add_argument(
         "--quantize",
-        choices=("int8",),
+        choices=("int8", "int4"),
         default=None,
-        help="store the weights in int8 (`--dtype` is then the norms' and the KV cache's)",
+        help="store the weights in int8 or int4 (`--dtype` is then the norms' and the KV cache's)",
     )
     p.add_argument(
         "--mesh",

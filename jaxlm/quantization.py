@@ -1,4 +1,6 @@
-"""`jaxlm.quantize`: a model's weights in 8 bits, multiplied by XLA's integer products.
+"""`jaxlm.quantize`: a model's weights in 8 or 4 bits.
+
+`int8`:
 
 Every projection (q/k/v, o, gate/up, down), the LM head and the embedding table keep their
 weights as int8 with one float32 scale per output row (per token for the table), their input
@@ -6,6 +8,11 @@ rotated first (`jaxlm.ops.quantize_weight`). Norms, biases, the KV cache and the
 between products stay in the model's float dtype. The products round their activations to
 int8 as they run (`jaxlm.ops.quantized_matmul`); embedding rows are dequantized and rotated
 back as they are gathered (`jaxlm.ops.quantized_rows`).
+
+`int4`: the projections whose input is a multiple of 32 in 4-bit blocks of 32 with a float16
+scale and minimum each (`jaxlm.kernels.int4`, GGUF's Q4_1); the embedding table (the tied LM
+head), and any projection of another width, in int8 as above. llama.cpp's 4-bit files keep
+their embeddings in 8 bits too: the LM head's rounding weighs on every token's logits.
 """
 
 from __future__ import annotations
@@ -15,34 +22,30 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm import engine, ops
+from jaxlm.kernels import int4
 from jaxlm.layers import Embedding, Linear
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8", "int4")
 # The float dtypes an int8 model keeps its norms, caches and activations in.
 QUANTIZED_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def check_quantize(quantize: str | None, dtype=None) -> str | None:
-    """`quantize` if jaxlm offers it with `dtype` (the model's float dtype), else `ValueError`.
-
-    int4 is not offered: XLA:CPU keeps no 4-bit weight in memory during decode (see
-    `docs/performance.md`, "8-bit products"), so 4-bit GGUF files load as int8.
-    """
+    """`quantize` if jaxlm offers it with `dtype` (the model's float dtype), else `ValueError`."""
     if quantize is None:
         return None
     if quantize not in QUANTIZE_MODES:
-        extra = "; 4-bit files load as `int8`" if quantize == "int4" else ""
-        raise ValueError(f"`quantize` must be None or `int8`, got {quantize!r}{extra}")
+        raise ValueError(f"`quantize` must be None, `int8` or `int4`, got {quantize!r}")
     if dtype is not None and jnp.dtype(dtype) not in QUANTIZED_DTYPES:
         raise ValueError(
-            f"`quantize='int8'` keeps the norms and the KV cache in float32 or bfloat16; "
+            f"`quantize={quantize!r}` keeps the norms and the KV cache in float32 or bfloat16; "
             f"`dtype` {jnp.dtype(dtype).name} is not accepted with it"
         )
     return quantize
 
 
 def quantized_params(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
-    """The layers of `model` that `quantize` stores in int8, with their paths (`a.b.c`)."""
+    """The layers of `model` that `quantize` stores in 8 or 4 bits, with their paths."""
     return [
         (".".join(map(str, path)), module)
         for path, module in nnx.iter_modules(model)
@@ -50,15 +53,23 @@ def quantized_params(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
     ]
 
 
+def in_4_bits(module: nnx.Module, mode: str) -> bool:
+    """Whether `quantize(model, mode)` stores `module`'s weight in 4 bits."""
+    if mode != "int4" or not isinstance(module, Linear):
+        return False
+    return module.weight.get_value().shape[-1] % int4.BLOCK == 0
+
+
 def quantize(model: nnx.Module, mode: str = "int8") -> nnx.Module:
-    """Store `model`'s projections, LM head and embedding table in int8, in place; returns it.
+    """Store `model`'s projections, LM head and embedding table in `mode` (`"int8"` or
+    `"int4"`, see above), in place; returns it.
 
     Also runs inside `nnx.eval_shape` on an abstract model, which is how `jaxlm.load(...,
-    quantize="int8")` and `jaxlm.plan` see the int8 shapes before any weight exists.
+    quantize=...)` and `jaxlm.plan` see the quantized shapes before any weight exists.
 
     Example:
         >>> model, tokenizer = jaxlm.load()
-        >>> model = jaxlm.quantize(model, "int8")
+        >>> model = jaxlm.quantize(model, "int4")
     """
     check_quantize(mode, getattr(model, "dtype", None))
     layers = quantized_params(model)
@@ -70,16 +81,21 @@ def quantize(model: nnx.Module, mode: str = "int8") -> nnx.Module:
                 f"`quantize` stores linear layers and embeddings in int8; `{name}` is neither "
                 "(a mixture of experts' stacked experts are not quantized yet)"
             )
-    quantize_weight = jax.jit(ops.quantize_weight)
+    quantize_weight, quantize_int4 = jax.jit(ops.quantize_weight), jax.jit(int4.quantize)
     for _, module in layers:
         if module.scale is not None:
             continue
         var = module.weight
         axes = var.get_metadata().get("axes") or (None,) * var.get_value().ndim
         floats = embedding_floats(module) if isinstance(module, Embedding) else var.get_value()
-        q, scale = quantize_weight(floats)
+        if in_4_bits(module, mode):
+            q, scale = quantize_int4(floats)
+            scale_axes = (*axes[:-1], None, None)
+        else:
+            q, scale = quantize_weight(floats)
+            scale_axes = axes[:-1]
         module.weight = nnx.Param(q, axes=axes)
-        module.scale = nnx.Param(scale, axes=axes[:-1])
+        module.scale = nnx.Param(scale, axes=scale_axes)
     # `generate` runs the quantized weights from now on, and the float ones can go.
     engine.forget(model)
     return model

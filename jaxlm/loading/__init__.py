@@ -18,6 +18,8 @@ from tqdm import tqdm
 from jaxlm import ops
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
+from jaxlm.kernels import int4
+from jaxlm.loading.gguf import unpermute_qk
 from jaxlm.memory import release_host_memory
 from jaxlm.models import model_class
 from jaxlm.models.llama import LlamaForCausalLM
@@ -125,7 +127,9 @@ def load(
     int8 as `jaxlm.quantize` stores them, each tensor quantized as it is read (a GGUF file's
     blocks, of any type `gguf` reads, decoded first): loading holds one tensor in float at a
     time, never a float copy of the model. `dtype` (float32 or bfloat16) is then that of the
-    norms and the KV cache.
+    norms and the KV cache. With `quantize="int4"`, the projections are stored in 4 bits as
+    `jaxlm.quantize` stores them; a GGUF file's Q4_0 and Q4_1 blocks are kept as they are, bit
+    for bit, and tensors of other types quantized from their decoded values.
 
     Raises:
         FileNotFoundError: `path` or a file it needs does not exist.
@@ -211,33 +215,53 @@ def build_model(
     disable = None if progress is None else not progress
     finite = {}
     to_model, joined, placed = _loading_steps()
-    quantizer = jax.jit(functools.partial(ops.quantize_weight))
+    quantizers = {
+        "int8": jax.jit(functools.partial(ops.quantize_weight)),
+        "int4": jax.jit(functools.partial(int4.quantize)),
+    }
     for name, var in tqdm(
         variables.items(), desc="Loading weights", unit="tensor", disable=disable
     ):
         expected = var.get_value().shape
         # A parameter the model stores as the bits of `dtype` (see `Embedding`).
         bits = var.get_value().dtype == jnp.uint16
-        # An int8 parameter is read in float32, then quantized.
+        # A quantized parameter is read in float32, then quantized; in 4 bits if uint8.
         read_as = jnp.float32 if name in scales else dtype
+        mode = "int4" if var.get_value().dtype == jnp.uint8 else "int8"
+        if mode == "int4":
+            # Two 4-bit values a byte: the checkpoint's shape has twice the inputs.
+            expected = (*expected[:-1], 2 * expected[-1])
         parts, kind = stored[name]
         shapes = _part_shapes(config, kind, expected, len(parts))
         fused = len(parts) < len(shapes)
         for part, shape in zip(parts, _stored_shapes(shapes, fused), strict=True):
             _check_shape(where, part, checkpoint.shape(part), shape)
         if partitioner is None and name in scales and kind is None:
-            # A whole int8 parameter: decoded and quantized a part of its rows at a time.
+            # A whole quantized parameter: its 4-bit blocks kept, or decoded and quantized a
+            # part of its rows at a time.
             raw, decode = checkpoint.encoded(parts[0])
-            value, scale, finite[parts[0]] = _quantized_in_rows(to_model, raw, decode, expected)
+            if mode == "int4" and _keeps_blocks(decode):
+                value, scale, finite[parts[0]] = _gguf_int4(raw, decode)
+            else:
+                value, scale, finite[parts[0]] = _quantized_in_rows(
+                    to_model, raw, decode, expected, mode
+                )
             scales.pop(name).set_value(scale)
             release_host_memory()
         elif partitioner is None:
-            values = []
-            for part in parts:
-                raw, decode = checkpoint.encoded(part)
-                value, finite[part] = to_model(raw, decode=decode, dtype=read_as, bits=bits)
-                values.append(value)
-            value = values[0] if kind is None else joined(kind, values, expected, tuple(shapes))
+            encoded = [checkpoint.encoded(part) for part in parts]
+            if mode == "int4" and name in scales and all(_keeps_blocks(d) for _, d in encoded):
+                # Joined 4-bit blocks: each part's kept, joined along the rows as floats are.
+                blocks = [_gguf_int4(raw, decode) for raw, decode in encoded]
+                finite.update(zip(parts, [ok for *_, ok in blocks], strict=True))
+                value = _join(kind, [b[0] for b in blocks], expected, shapes)
+                scales.pop(name).set_value(_join(kind, [b[1] for b in blocks], expected, shapes))
+            else:
+                values = []
+                for part, (raw, decode) in zip(parts, encoded, strict=True):
+                    value, finite[part] = to_model(raw, decode=decode, dtype=read_as, bits=bits)
+                    values.append(value)
+                value = values[0] if kind is None else joined(kind, values, expected, tuple(shapes))
         else:
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
@@ -247,7 +271,7 @@ def build_model(
             value, checks = placed(kind, value, tuple(shapes), bits=bits, fused=fused)
             finite.update(zip(parts, checks, strict=True))
         if name in scales:
-            value = _quantized(quantizer, value, scales[name], partitioner)
+            value = _quantized(quantizers[mode], value, scales[name], partitioner)
             # The float copy just freed is returned to the system at once, so that the
             # load's peak stays near the int8 weights (see `docs/performance.md`, "Host
             # memory").
@@ -388,17 +412,19 @@ def _placed(
     return (jax.lax.bitcast_convert_type(value, jnp.uint16) if bits else value), finite
 
 
-def _to_model(raw, *, decode, dtype, bits: bool, quantize: bool = False):
+def _to_model(raw, *, decode, dtype, bits: bool, quantize: str | None = None):
     """A checkpoint tensor decoded (`decode`, a GGUF `Dequantizer`, or `None`) and cast to
-    `dtype` (as its `uint16` bits with `bits`; as `jaxlm.ops.quantize_weight`'s int8 values
-    and scales with `quantize`), and whether it is all finite in `dtype`.
+    `dtype` (as its `uint16` bits with `bits`; with `quantize`, as `jaxlm.ops.quantize_weight`'s
+    int8 values and scales for `"int8"`, `jaxlm.kernels.int4.quantize`'s for `"int4"`), and
+    whether it is all finite in `dtype`.
     """
     x = raw if decode is None else decode(raw)
     x = x.astype(dtype)
     finite = None if decode is None else decode.finite(raw, dtype)
     finite = jnp.isfinite(x).all() if finite is None else finite
     if quantize:
-        return ops.quantize_weight(x), finite
+        store = int4.quantize if quantize == "int4" else ops.quantize_weight
+        return store(x), finite
     return (jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x), finite
 
 
@@ -406,9 +432,28 @@ def _to_model(raw, *, decode, dtype, bits: bool, quantize: bool = False):
 _QUANTIZED_PART_BYTES = 16 << 20
 
 
-def _quantized_in_rows(to_model, raw, decode, shape) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The int8 values, scales and finite check of the weight of `shape` that `raw` encodes,
-    decoded and quantized in parts of its rows (scales and rotation are per row), so that a
+def _keeps_blocks(decode) -> bool:
+    """Whether a tensor that `decode` decodes is kept in 4 bits as its blocks lie."""
+    return decode is not None and decode.kind in int4.GGUF_TYPES and not decode.shift
+
+
+def _gguf_int4(raw, decode) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A GGUF Q4_0 or Q4_1 tensor's blocks as `jaxlm.kernels.int4` stores them, exactly, its
+    rows put back in Hugging Face's order (`decode.heads`), and whether its scales are finite
+    (a block's values are then finite too)."""
+    packed, scales = int4.from_gguf(np.asarray(raw), decode.kind, decode.shape)
+    if decode.heads:
+        packed, scales = unpermute_qk(packed, decode.heads), unpermute_qk(scales, decode.heads)
+    scales = jnp.asarray(scales)
+    return jnp.asarray(packed), scales, jnp.isfinite(scales).all()
+
+
+def _quantized_in_rows(
+    to_model, raw, decode, shape, mode: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The quantized values (`mode`), scales and finite check of the weight of `shape` that
+    `raw` encodes, decoded and quantized in parts of its rows (scales and rotation are per
+    row, 4-bit blocks within one), so that a
     large table (an embedding) is never whole in float32. A GGUF tensor whose rows llama.cpp
     permuted (`decode.heads`) is decoded whole: a query or key projection, small.
     """
@@ -425,7 +470,7 @@ def _quantized_in_rows(to_model, raw, decode, shape) -> tuple[jax.Array, jax.Arr
     qs, scales, finite = [], [], []
     for start in range(0, rows, size):
         (q, scale), ok = to_model(
-            raw[start : start + size], decode=decode, dtype=jnp.float32, bits=False, quantize=True
+            raw[start : start + size], decode=decode, dtype=jnp.float32, bits=False, quantize=mode
         )
         qs.append(q)
         scales.append(scale)
