@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxlm.batching import PagePool, QueueFullError, Scheduler, Status
-from jaxlm.batching.pages import PADDING_PAGE, OutOfPagesError
+from jaxlm.batching.pages import PADDING_PAGE, OutOfPagesError, page_key
 
 VOCAB = 50
 
@@ -220,8 +220,8 @@ def test_cancelled_sequences_give_their_pages_back():
 def test_the_pool_evicts_idle_cached_pages_oldest_first():
     pool = PagePool(num_pages=4, page_size=2)
     a, b = pool.allocate(1), pool.allocate(1)
-    pool.publish(a, [1, 2])
-    pool.publish(b, [3, 4])
+    pool.publish(a[0], page_key(0, [1, 2]))
+    pool.publish(b[0], page_key(0, [3, 4]))
     pool.release(a)
     pool.release(b)
     assert pool.num_cached == 2 and pool.num_available == 3
@@ -235,3 +235,30 @@ def test_the_pool_evicts_idle_cached_pages_oldest_first():
         pool.allocate(1)
     with pytest.raises(ValueError, match="`num_pages` must be at least 2"):
         PagePool(1, 4)
+
+
+def test_each_full_page_is_hashed_and_published_once(monkeypatch):
+    # Long sequences decoding many steps: the prefix cache hashes each page once, when it
+    # fills, not every full page of every sequence at every step.
+    hashed = []
+
+    def counting(previous, tokens):
+        hashed.append(tuple(tokens))
+        return page_key(previous, tokens)
+
+    monkeypatch.setattr("jaxlm.batching.scheduler.page_key", counting)
+    monkeypatch.setattr("jaxlm.batching.pages.page_key", counting)
+    page_size = 4
+    pool = PagePool(num_pages=200, page_size=page_size)
+    scheduler = Scheduler(pool, max_num_seqs=3, max_num_batched_tokens=64)
+    requests = [(list(range(1, 1 + n)), 40) for n in (90, 130, 61)]
+    seqs, _, _ = run(scheduler, requests, [0, 0, 1])
+    for (prompt, new), seq in zip(requests, seqs.values(), strict=True):
+        assert seq.output == solo(prompt, new)
+    # The last sampled token is never computed, so each sequence fills its pages up to it.
+    filled = sum((len(prompt) + new - 1) // page_size for prompt, new in requests)
+    assert len(hashed) == filled
+    # Every page was published under the key of its whole prefix: a new prompt that repeats the
+    # longest sequence finds all of its full pages.
+    longest = seqs[1].tokens[:-1]
+    assert len(pool.match_prefix([*longest, 0])) == len(longest) // page_size

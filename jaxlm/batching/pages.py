@@ -4,17 +4,20 @@ Plain Python over page numbers; the cache itself is a planned array of `num_page
 `page_size` slots per layer. Page 0 is reserved: it pads page-table rows and is never handed
 out, so it never holds real data.
 
-Prefix caching: once a page is full of a sequence's tokens, it is published under a key that
-chains its tokens to the key of the page before it, so equal keys mean equal prefixes. A later
-sequence whose prompt starts with the same pages takes them (a reference each) instead of
-computing them again. A published page that no sequence references stays cached until its
-page is needed, the least recently used first.
+Prefix caching: once a page is full of a sequence's tokens, it is published, once, under a key
+that hashes its tokens with the key of the page before it (`page_key`), so equal keys mean
+equal prefixes. A later sequence whose prompt starts with the same pages takes them (a reference
+each) instead of computing them again. A published page that no sequence references stays
+cached until its page is needed, the least recently used first.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Sequence
+
+import numpy as np
 
 from jaxlm.errors import JaxlmError
 
@@ -25,12 +28,21 @@ class OutOfPagesError(JaxlmError):
     """Raised when an allocation asks for more pages than are free or evictable."""
 
 
-def page_keys(tokens: Sequence[int], page_size: int) -> list[tuple]:
-    """The prefix-cache key of each full page of `tokens`: the page's tokens with the key of
-    the page before it, so that a key names the whole prefix up to its page's end."""
-    keys, previous = [], None
+def page_key(previous: int, tokens: Sequence[int]) -> int:
+    """The prefix-cache key of a full page of `tokens` after the page keyed `previous` (0 for a
+    sequence's first page): a 128-bit BLAKE2 hash of both, so that a key names the whole prefix
+    up to its page's end. A cryptographic hash, as vLLM's: clients choose the tokens, and a
+    crafted collision of a weaker hash would hand one request another's cached keys and values."""
+    h = hashlib.blake2b(previous.to_bytes(16, "little"), digest_size=16)
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def page_keys(tokens: Sequence[int], page_size: int) -> list[int]:
+    """The key of each full page of `tokens`, in order."""
+    keys, previous = [], 0
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        previous = (previous, tuple(tokens[start : start + page_size]))
+        previous = page_key(previous, tokens[start : start + page_size])
         keys.append(previous)
     return keys
 
@@ -41,7 +53,8 @@ class PagePool:
     Example:
         >>> pool = PagePool(num_pages=9, page_size=4)
         >>> pages = pool.allocate(2)
-        >>> pool.publish(pages, [1, 2, 3, 4, 5, 6, 7, 8])  # both pages are full
+        >>> for page, key in zip(pages, page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)):
+        ...     pool.publish(page, key)  # both pages are full
         >>> pool.release(pages)
         >>> pool.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == pages
         True
@@ -57,8 +70,8 @@ class PagePool:
         self.prefix_cache = prefix_cache
         self._free = collections.deque(range(1, num_pages))
         self._refs = [0] * num_pages
-        self._key_of: dict[int, tuple] = {}
-        self._page_of: dict[tuple, int] = {}
+        self._key_of: dict[int, int] = {}
+        self._page_of: dict[int, int] = {}
         # Published pages that no sequence references, least recently used first.
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
 
@@ -114,17 +127,21 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], keys: list[int] | None = None) -> list[int]:
         """The cached pages that hold the longest run of full pages `tokens` starts with, a
-        reference taken on each; `[]` when the prefix cache is off.
+        reference taken on each; `[]` when the prefix cache is off. `keys`, the keys of the
+        first pages of `tokens` known already, is extended with those hashed here.
 
         The last token of `tokens` is never covered, so that a step still computes it and its
         logits."""
         if not self.prefix_cache:
             return []
-        pages = []
-        for key in page_keys(tokens[:-1], self.page_size):
-            page = self._page_of.get(key)
+        keys = [] if keys is None else keys
+        size, pages = self.page_size, []
+        for i in range((len(tokens) - 1) // size):
+            if i == len(keys):
+                keys.append(page_key(keys[-1] if keys else 0, tokens[i * size : (i + 1) * size]))
+            page = self._page_of.get(keys[i])
             if page is None:
                 break
             pages.append(page)
@@ -134,16 +151,12 @@ class PagePool:
             self._refs[page] += 1
         return pages
 
-    def publish(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
-        """Publish the full pages among `pages` (a sequence's pages, in order, holding
-        `tokens`) for later sequences to share. A key already cached under another page keeps
-        that page."""
-        if not self.prefix_cache:
-            return
-        for page, key in zip(pages, page_keys(tokens, self.page_size), strict=False):
-            if key not in self._page_of and page not in self._key_of:
-                self._page_of[key] = page
-                self._key_of[page] = key
+    def publish(self, page: int, key: int) -> None:
+        """Publish `page`, full of a sequence's tokens, under its `key` (`page_key`) for later
+        sequences to share. A key already cached under another page keeps that page."""
+        if self.prefix_cache and key not in self._page_of and page not in self._key_of:
+            self._page_of[key] = page
+            self._key_of[page] = key
 
     def clear_cache(self) -> None:
         """Forget every idle cached page (they become free); referenced pages stay published."""

@@ -26,7 +26,7 @@ import enum
 import itertools
 from collections.abc import Hashable, Sequence
 
-from jaxlm.batching.pages import PagePool
+from jaxlm.batching.pages import PagePool, page_key
 from jaxlm.errors import JaxlmError
 
 
@@ -58,15 +58,36 @@ class SequenceState:
     num_cached: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
+    # The prefix-cache key of each full page computed so far (`page_key`), kept across
+    # preemptions, and how many of `pages` are published.
+    keys: list[int] = dataclasses.field(default_factory=list)
+    published: int = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """`tokens[start:end]`, without joining the prompt and the output."""
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
+
+    @property
     def prefilling(self) -> bool:
         """Whether tokens before the last one remain to be computed."""
-        return self.num_computed < len(self.tokens) - 1
+        return self.num_computed < self.num_tokens - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +219,7 @@ class Scheduler:
         self.pool.release(seq.pages)
         self._free_slots.append(seq.slot)
         seq.pages, seq.slot, seq.num_computed, seq.num_cached = [], None, 0, 0
+        seq.published = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -207,13 +229,14 @@ class Scheduler:
     def _admit(self, seq: SequenceState, budget: int) -> bool:
         """Start `seq` in a free slot with its cached prefix, if the pages of its first chunk
         are available: a new sequence never preempts the ones that came before it."""
-        cached = self.pool.match_prefix(seq.tokens)
+        cached = self.pool.match_prefix(seq.tokens, seq.keys)
         start = len(cached) * self.pool.page_size
-        end = min(len(seq.tokens), start + budget)
+        end = min(seq.num_tokens, start + budget)
         if -(-end // self.pool.page_size) - len(cached) > self.pool.num_available:
             self.pool.release(cached)
             return False
         seq.pages, seq.num_cached, seq.num_computed = cached, start, start
+        seq.published = len(cached)
         self.cached_tokens += start
         seq.slot = self._free_slots.pop(0)
         seq.status = Status.RUNNING
@@ -234,8 +257,8 @@ class Scheduler:
         for seq in decoding:
             if seq.status is not Status.RUNNING:
                 continue
-            if self._pages_for(seq, len(seq.tokens)):
-                chunks.append(Chunk(seq, len(seq.tokens) - 1, (seq.tokens[-1],), True))
+            if self._pages_for(seq, seq.num_tokens):
+                chunks.append(Chunk(seq, seq.num_tokens - 1, (seq.last_token,), True))
             else:
                 self._preempt(seq)
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
@@ -253,12 +276,12 @@ class Scheduler:
                 self.waiting.remove(seq)
             else:
                 break
-            end = min(len(seq.tokens), seq.num_computed + budget)
+            end = min(seq.num_tokens, seq.num_computed + budget)
             if not self._pages_for(seq, end):
                 self._preempt(seq)
                 break
-            tokens = tuple(seq.tokens[seq.num_computed : end])
-            chunks.append(Chunk(seq, seq.num_computed, tokens, end == len(seq.tokens)))
+            tokens = tuple(seq.tokens_between(seq.num_computed, end))
+            chunks.append(Chunk(seq, seq.num_computed, tokens, end == seq.num_tokens))
             budget -= len(tokens)
             prefills += len(tokens) > 1
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
@@ -301,7 +324,7 @@ class Scheduler:
         seqs = [c.seq for c in chunks]
         steps = min([max_steps] + [s.max_new_tokens - len(s.output) for s in seqs])
         size = self.pool.page_size
-        needed = [-(-(len(s.tokens) + steps - 1) // size) - len(s.pages) for s in seqs]
+        needed = [-(-(s.num_tokens + steps - 1) // size) - len(s.pages) for s in seqs]
         if steps <= 1 or sum(needed) > self.pool.num_available:
             return 1
         for seq, n in zip(seqs, needed, strict=True):
@@ -313,7 +336,7 @@ class Scheduler:
         """The decode chunks of the step after `batch`'s (one of its `steps`), once `update()` has
         recorded it: the sequences still running, each with the token it sampled last."""
         chunks = (c.seq for c in batch.chunks if c.seq.status is Status.RUNNING)
-        return Batch(tuple(Chunk(s, len(s.tokens) - 1, (s.tokens[-1],), True) for s in chunks))
+        return Batch(tuple(Chunk(s, s.num_tokens - 1, (s.last_token,), True) for s in chunks))
 
     # After the step.
 
@@ -332,7 +355,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             seq.num_computed = chunk.start + len(chunk.tokens)
-            self.pool.publish(seq.pages, seq.tokens[: seq.num_computed])
+            self._publish(seq)
             if not chunk.sample:
                 continue
             seq.output.append(sampled[seq.id])
@@ -343,6 +366,20 @@ class Scheduler:
                 self._retire(seq, "length")
                 finished.append(seq)
         return finished
+
+    def _publish(self, seq: SequenceState) -> None:
+        """Publish the pages `seq` has filled since the last step, each once, hashing only
+        those whose keys it has not computed before (a preempted sequence keeps its keys)."""
+        if not self.pool.prefix_cache:
+            return
+        size = self.pool.page_size
+        while seq.published < seq.num_computed // size:
+            i = seq.published
+            if i == len(seq.keys):
+                previous = seq.keys[-1] if seq.keys else 0
+                seq.keys.append(page_key(previous, seq.tokens_between(i * size, (i + 1) * size)))
+            self.pool.publish(seq.pages[i], seq.keys[i])
+            seq.published += 1
 
     def _retire(self, seq: SequenceState, reason: str) -> None:
         self.running.remove(seq)
