@@ -10,13 +10,17 @@ Each runs the whole stream once to compile and warm up, then again for the figur
 and output tokens per second, TTFT (arrival to first token), TPOT ((last token - first token)
 / (tokens - 1)) and ITL (gaps between tokens), p50 / p90 / p99.
 
+With `--constrained`, the engine serves the stream once more with every request held to a JSON
+schema (`llguidance`'s token masks, one decode step per call): output tokens/s of both in the
+same run, and the host's time filling a mask per constrained token.
+
 Over HTTP (`--url`, `--vs llama.cpp`), the same requests go to OpenAI-compatible servers as
 streamed `/v1/completions` (greedy, `max_tokens` = the output length, `ignore_eos`), the prompts
 as token-id lists where the server takes them (else as the tokenizer's text), and the figures
 are a client's: TTFT from sending to the first chunk with a token, ITL the gaps between chunks.
 
 Usage: python benchmarks/serve.py [--model PATH] [--requests 32] [--rate 4] [--max-num-seqs 8]
-    [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--json PATH]
+    [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--json PATH] [--constrained]
     [--url http://127.0.0.1:8000/v1] [--vs llama.cpp [--llama-server PATH]]
 """
 
@@ -36,6 +40,7 @@ import numpy as np
 import jaxlm
 from jaxlm.bench import OtherLoad, text_table
 from jaxlm.config import ModelConfig
+from jaxlm.constrain import Grammar
 from jaxlm.loading import default_model_path, open_checkpoint
 
 
@@ -52,14 +57,28 @@ def workload(n: int, rate: float, prompt_len, output_len, vocab: int, seed: int 
     ]
 
 
-def run_engine(engine, requests) -> list[dict]:
+# Records without end: a constrained request runs its whole output length, as the others do.
+SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    "minItems": 100_000,
+}
+
+
+def run_engine(engine, requests, response_format=None) -> list[dict]:
     start = time.perf_counter()
     handles = [None] * len(requests)
 
     def feed():
         for i, (arrival, prompt, new) in enumerate(requests):
             time.sleep(max(0.0, start + arrival - time.perf_counter()))
-            handles[i] = engine.submit(prompt, max_new_tokens=new, stop_token_ids=[])
+            handles[i] = engine.submit(
+                prompt, max_new_tokens=new, stop_token_ids=[], response_format=response_format
+            )
 
     feeder = threading.Thread(target=feed)
     feeder.start()
@@ -146,12 +165,13 @@ def _figure(value: float | None) -> str:
 
 def run_local(args, requests) -> dict:
     """`LLMEngine` and static `generate` in this process."""
-    model, _ = jaxlm.load(args.model, progress=False)
+    model, tokenizer = jaxlm.load(args.model, progress=False)
     longest = args.prompt_len[1] + args.output_len[1]
     pages = args.max_num_seqs * -(-longest // args.page_size) + 1
     results, load = {}, {}
     with jaxlm.LLMEngine(
         model,
+        tokenizer,
         max_num_seqs=args.max_num_seqs,
         max_seq_len=args.max_seq_len or longest,
         page_size=args.page_size,
@@ -161,6 +181,17 @@ def run_local(args, requests) -> dict:
         with OtherLoad() as busy:
             results["LLMEngine"] = summarize(run_engine(engine, requests))
         load["LLMEngine"] = busy.cores
+        if args.constrained:
+            name, grammar = "LLMEngine, JSON schema", Grammar.json(SCHEMA)
+            run_engine(engine, requests, grammar)
+            before = engine.stats()
+            with OtherLoad() as busy:
+                results[name] = summarize(run_engine(engine, requests, grammar))
+            load[name] = busy.cores
+            after = engine.stats()
+            masks = after.grammar_masks - before.grammar_masks
+            mask_ms = 1e3 * (after.grammar_mask_seconds - before.grammar_mask_seconds) / masks
+            results[name]["mask_ms_per_token"] = mask_ms
     run_static(model, requests, args.max_num_seqs)
     with OtherLoad() as busy:
         results["static generate"] = summarize(run_static(model, requests, args.max_num_seqs))
@@ -170,6 +201,13 @@ def run_local(args, requests) -> dict:
     speed = ours["output_tokens_per_s"] / static["output_tokens_per_s"]
     ttft = ours["ttft_s"]["p50"] / static["ttft_s"]["p50"]
     print(f"LLMEngine / static: output tokens/s {speed:.2f}x, TTFT p50 {ttft:.2f}x")
+    if args.constrained:
+        constrained = results["LLMEngine, JSON schema"]
+        speed = constrained["output_tokens_per_s"] / ours["output_tokens_per_s"]
+        print(
+            f"JSON schema / unconstrained: output tokens/s {speed:.2f}x; the host filled a mask "
+            f"in {constrained['mask_ms_per_token']:.3f} ms per constrained token"
+        )
     return dict(results=results, load=load)
 
 
@@ -281,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         "are sized to the workload either way)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
+    p.add_argument(
+        "--constrained",
+        action="store_true",
+        help="serve the stream again with every request held to a JSON schema",
+    )
     p.add_argument("--url", default=None, help="an OpenAI-compatible server's base URL (.../v1)")
     p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
     p.add_argument("--llama-server", default=None, help="llama.cpp's server binary")
