@@ -12,7 +12,6 @@ import contextlib
 import functools
 import itertools
 import json
-import logging
 import re
 import secrets
 import time
@@ -30,51 +29,14 @@ from starlette.routing import Route
 from jaxlm.batching.scheduler import QueueFullError
 from jaxlm.serve import protocol, tokens, tools
 from jaxlm.serve.body import BODY_TIMEOUT_S, read_json
+from jaxlm.serve.guard import Guard, error_response
 from jaxlm.serve.metrics import Metrics
 from jaxlm.serve.protocol import APIError, quote
-
-logger = logging.getLogger("jaxlm.serve")
 
 # The first name in backticks of an engine's `ValueError`: the argument it refused.
 _NAMED = re.compile(r"`(\w+)")
 # The request's fields as the engine names its arguments.
 _FIELDS = {"max_new_tokens": "max_tokens", "prompts": "prompt"}
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-class _Guard:
-    """Answers an exception no handler took with a 500 in OpenAI's shape that names nothing
-    internal, and logs one line without a traceback; Starlette's own would log the traceback,
-    and show the exception's name to the client."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":  # the lifespan's failures are uvicorn's to report
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def watch(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watch)
-        except asyncio.CancelledError:
-            # Only uvicorn cancels a request's task, when a shutdown's grace has run out: the
-            # connection is closed.
-            logger.warning("%s cancelled at shutdown", scope.get("path"))
-        except Exception as e:
-            logger.error("internal error on %s: %s", scope.get("path"), type(e).__name__)
-            if not started:
-                error = APIError(500, "the server failed to answer this request")
-                await _error_response(error)(scope, receive, send)
 
 
 class _Choices:
@@ -466,10 +428,10 @@ def create_app(
     server = Server(engine, model_name, body_timeout, tool_call_parser)
 
     async def api_error(request: Request, error: APIError) -> Response:
-        return _error_response(error)
+        return error_response(error)
 
     async def http_error(request: Request, error: HTTPException) -> Response:
-        return _error_response(APIError(error.status_code, error.detail))
+        return error_response(APIError(error.status_code, error.detail))
 
     async def disconnected(request: Request, error: ClientDisconnect) -> Response:
         return Response(status_code=499)
@@ -492,7 +454,7 @@ def create_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(_Guard)],
+        middleware=[Middleware(Guard)],
         exception_handlers={
             APIError: api_error,
             HTTPException: http_error,
