@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_bench import load_benchmark
 
 from jaxlm import kernels, ops
 from jaxlm.kernels import int4
@@ -171,6 +172,16 @@ def test_a_missing_library_is_reported_once(monkeypatch):
         "jaxlm: native CPU kernels unavailable (the library was not built at install); "
         "quantized products run through XLA"
     ]
+
+
+def test_kernels_benchmark_runs_every_variant(monkeypatch, capsys):
+    # The benchmark switches the kernels with the environment; monkeypatch restores it.
+    monkeypatch.setenv(kernels.SWITCH, "1")
+    bench = load_benchmark("kernels")
+    args = ["--layers", "1", "--vocab", "1024", "--cols", "1,3", "--steps", "1", "--repeats", "1"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert all(f"{variant} " in out for variant in bench.VARIANTS), out
 
 
 def test_cpp_sources_are_formatted():
