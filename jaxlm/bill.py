@@ -13,15 +13,25 @@ _HEADER = ("owner", "slot", "shape", "dtype", "bytes", "buffer")
 
 
 class Bill:
-    """Reporting over a plan's `layout`, `executables`, `weights_bytes`, `scratch_bytes`,
-    `total_bytes`, `budget` and `mesh`; a plan gives its first line (`_header`) and the
-    totals it adds to the common ones (`_extra_totals`)."""
+    """The bill of a plan's `layout`, `executables`, `weights_bytes`, `budget` and `mesh`, and
+    its reports; a plan gives their first line (`_header`) and the totals it adds to the
+    common ones (`_extra_totals`)."""
 
     def _header(self) -> str:
         raise NotImplementedError
 
     def _extra_totals(self) -> list[tuple[str, str]]:
         return []
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch each device holds."""
+        return self.layout.device_nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole bill: the peak of the most demanding step, weights and scratch included."""
+        return max(e.peak for e in self.executables.values())
 
     @property
     def temp_bytes(self) -> int:

@@ -99,14 +99,6 @@ class Plan(Bill):
         return plan
 
     @property
-    def scratch_bytes(self) -> int:
-        return self.layout.device_nbytes
-
-    @property
-    def total_bytes(self) -> int:
-        return max(e.peak for e in self.executables.values())
-
-    @property
     def resident_bytes(self) -> int | None:
         """On the CPU, the memory the plan keeps resident in this process while it runs: the
         whole bill and the compiled steps' host memory. None where that was not measured or

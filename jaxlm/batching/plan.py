@@ -63,14 +63,6 @@ class EnginePlan(Bill):
         """The most tokens one sequence holds: its pages, or every usable page."""
         return min(self.pages_per_seq, self.num_pages - 1) * self.page_size
 
-    @property
-    def scratch_bytes(self) -> int:
-        return self.layout.device_nbytes
-
-    @property
-    def total_bytes(self) -> int:
-        return max(e.peak for e in self.executables.values())
-
     def allocate(self) -> dict:
         """The pages, zero-filled: exactly `scratch_bytes` (per device), allocated once."""
         return self.layout.allocate()
