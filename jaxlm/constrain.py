@@ -112,7 +112,9 @@ class Grammar:
             self.to_llguidance(), None, limits=_limits(llg)
         )
         if failed:
-            raise GrammarError(f"`{self.field}` is not supported: {_first_line(messages)}")
+            raise GrammarError(
+                f"`{self.field}` is not supported: {_one_line(messages[0] if messages else '')}"
+            )
 
 
 def grammar_of(response_format, field: str = "response_format") -> Grammar | None:
@@ -156,11 +158,15 @@ def _llguidance():
 class Matcher:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, first: np.ndarray):
         self._m = matcher
+        # The first token's mask, computed on the thread that submitted the request: the
+        # engine's thread copies it instead of filling it.
+        self.first: np.ndarray | None = first
 
     def advance(self, token: int) -> bool:
         """Take the token sampled; whether the output is complete (or cannot go on)."""
+        self.first = None
         self._m.consume_token(int(token))
         return self._m.is_stopped()
 
@@ -198,23 +204,27 @@ class Grammars:
         llg = _llguidance()
         source = grammar.to_llguidance()
         tok = self._tok()
-        limits = _limits(llg)
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(source, tok, limits=limits)
-        if failed:
-            raise GrammarError(f"`{grammar.field}` is not supported: {_first_line(messages)}")
-        m = llg.LLMatcher(tok, source, log_level=0, limits=limits)
+        # The matcher compiles the grammar; it raises nothing, but is in error if that failed.
+        m = llg.LLMatcher(tok, source, log_level=0, limits=_limits(llg))
+        if m.is_error():
+            raise GrammarError(f"`{grammar.field}` is not supported: {_one_line(m.get_error())}")
         # The first mask: a grammar no text can meet leaves the matcher in error at once.
-        m.compute_bitmask()
+        first = np.frombuffer(m.compute_bitmask(), np.int32)
         if m.is_error():
             raise GrammarError(f"`{grammar.field}` cannot be met: no text matches it")
-        return Matcher(m)
+        return Matcher(m, first)
 
     def fill(self, rows: list[tuple[Matcher, int]], mask: np.ndarray) -> None:
         """Fill `mask` [rows, words] int32 at each matcher's row with its next tokens' bits,
         the rows in parallel on `llguidance`'s threads, without the GIL."""
         import llguidance.numpy as lln
 
-        lln.fill_next_token_bitmask_par(self._executor, [(m._m, r) for m, r in rows], mask)
+        for m, r in rows:
+            if m.first is not None:
+                mask[r] = m.first[: mask.shape[1]]
+        rest = [(m._m, r) for m, r in rows if m.first is None]
+        if rest:
+            lln.fill_next_token_bitmask_par(self._executor, rest, mask)
 
 
 def _limits(llg):
@@ -222,7 +232,7 @@ def _limits(llg):
     return llg.LLParserLimits(verbose_errors=False)
 
 
-def _first_line(messages: list[str]) -> str:
+def _one_line(message: str) -> str:
     # `llguidance`'s messages span lines, with the source quoted under a caret: one line will do.
-    text = " ".join(messages[0].split()) if messages else "unknown error"
+    text = " ".join(message.split()) or "unknown error"
     return text if len(text) <= 300 else text[:300] + "..."
