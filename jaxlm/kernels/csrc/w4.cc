@@ -96,48 +96,48 @@ __attribute__((target("avx2"))) inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
 }
 
-// AVX2: two blocks (32 bytes of nibbles) at a time; `maddubs` multiplies the unsigned nibbles
-// by the signed activations, and pairs of its products stay within int16 (2 * 15 * 127).
+// AVX2: two blocks (32 bytes of nibbles) at a time, pairs [first, last) of the row; `maddubs`
+// multiplies the unsigned nibbles by the signed activations, and pairs of its products stay
+// within int16 (2 * 15 * 127). Adds to `out`.
 template <int ND>
 __attribute__((target("avx2,fma,f16c"))) void RowAvx2(const uint8_t* w, const uint16_t* dm,
-                                                      int64_t full, const Activations& x,
-                                                      int64_t c0, float* out) {
+                                                      int64_t first, int64_t last,
+                                                      const Activations& x, int64_t c0,
+                                                      float* out) {
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i d_lanes = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
   const __m256i m_lanes = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
   __m256 acc[ND];
   for (int j = 0; j < ND; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < full; ++s) {
-    for (int p = 0; p < 2; ++p) {
-      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + s * 64 + p * 32));
-      const __m256i lo = _mm256_and_si256(wv, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
-      const __m128 pair = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dm + s * 8 + p * 4)));
-      const __m256 wide = _mm256_castps128_ps256(pair);
-      const __m256 d = _mm256_permutevar8x32_ps(wide, d_lanes);
-      const __m256 m = _mm256_permutevar8x32_ps(wide, m_lanes);
-      for (int j = 0; j < ND; ++j) {
-        const int64_t super = (c0 + j) * x.supers + s;
-        const int8_t* values = x.values.data() + super * 128 + p * 32;
-        const __m256i xlo = _mm256_loadu_si256((const __m256i*)values);
-        const __m256i xhi = _mm256_loadu_si256((const __m256i*)(values + 64));
-        const __m256i dot =
-            _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
-                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
-        const float* scale = x.scale.data() + super * 16 + p * 8;
-        const float* offset = x.offset.data() + super * 16 + p * 8;
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(scale)),
-                                 acc[j]);
-        acc[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(offset), acc[j]);
-      }
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t s = pair / 2, p = pair % 2;
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + pair * 32));
+    const __m256i lo = _mm256_and_si256(wv, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+    const __m128 dms = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dm + pair * 4)));
+    const __m256 wide = _mm256_castps128_ps256(dms);
+    const __m256 d = _mm256_permutevar8x32_ps(wide, d_lanes);
+    const __m256 m = _mm256_permutevar8x32_ps(wide, m_lanes);
+    for (int j = 0; j < ND; ++j) {
+      const int64_t super = (c0 + j) * x.supers + s;
+      const int8_t* values = x.values.data() + super * 128 + p * 32;
+      const __m256i xlo = _mm256_loadu_si256((const __m256i*)values);
+      const __m256i xhi = _mm256_loadu_si256((const __m256i*)(values + 64));
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
+      const float* scale = x.scale.data() + super * 16 + p * 8;
+      const float* offset = x.offset.data() + super * 16 + p * 8;
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(scale)),
+                               acc[j]);
+      acc[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(offset), acc[j]);
     }
   }
-  for (int j = 0; j < ND; ++j) out[j] = Sum8(acc[j]);
+  for (int j = 0; j < ND; ++j) out[j] += Sum8(acc[j]);
 }
 
-// AVX512-VNNI: four blocks (64 bytes of nibbles) at a time, `dpbusd` multiplying the unsigned
-// nibbles by the signed activations.
+// AVX512-VNNI: four blocks (64 bytes of nibbles) at a time, the row's first `full` super-blocks,
+// `dpbusd` multiplying the unsigned nibbles by the signed activations. Adds to `out`.
 template <int ND>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void RowVnni(
     const uint8_t* w, const uint16_t* dm, int64_t full, const Activations& x, int64_t c0,
@@ -165,35 +165,43 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void RowVnni(
       acc[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.offset.data() + super * 16), acc[j]);
     }
   }
-  for (int j = 0; j < ND; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+  for (int j = 0; j < ND; ++j) out[j] += _mm512_reduce_add_ps(acc[j]);
 }
 
 #endif  // JAXLM_X86
 
+template <int ND>
+void RowVector(bool vnni, const uint8_t* w, const uint16_t* dm, int64_t blocks,
+               const Activations& x, int64_t c0, float* out) {
+  // Whole super-blocks with AVX512-VNNI, the pairs of blocks left (all on AVX2) with AVX2.
+  const int64_t full = vnni ? blocks / kSuper : 0;
+  if (vnni) RowVnni<ND>(w, dm, full, x, c0, out);
+  RowAvx2<ND>(w, dm, 2 * full, blocks / 2, x, c0, out);
+}
+
 // Row `w` (`blocks` blocks) against columns [c0, c0 + n), n <= 4, on the path `isa`: the
-// vector paths take the whole super-blocks, the portable one the rest.
+// vector paths take the blocks in pairs, the portable one the rest.
 void Row(Isa isa, const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
          int64_t c0, int64_t n, float* out) {
   for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
   int64_t done = 0;
 #ifdef JAXLM_X86
   if (isa != kPortable) {
-    const int64_t full = blocks / kSuper;
-    done = full * kSuper;
     const bool vnni = isa == kAvx512Vnni;
     switch (n) {
       case 4:
-        vnni ? RowVnni<4>(w, dm, full, x, c0, out) : RowAvx2<4>(w, dm, full, x, c0, out);
+        RowVector<4>(vnni, w, dm, blocks, x, c0, out);
         break;
       case 3:
-        vnni ? RowVnni<3>(w, dm, full, x, c0, out) : RowAvx2<3>(w, dm, full, x, c0, out);
+        RowVector<3>(vnni, w, dm, blocks, x, c0, out);
         break;
       case 2:
-        vnni ? RowVnni<2>(w, dm, full, x, c0, out) : RowAvx2<2>(w, dm, full, x, c0, out);
+        RowVector<2>(vnni, w, dm, blocks, x, c0, out);
         break;
       default:
-        vnni ? RowVnni<1>(w, dm, full, x, c0, out) : RowAvx2<1>(w, dm, full, x, c0, out);
+        RowVector<1>(vnni, w, dm, blocks, x, c0, out);
     }
+    done = blocks / 2 * 2;
   }
 #endif
   RowPortable(w, dm, done, blocks, x, c0, n, out);
