@@ -144,10 +144,26 @@ def test_regex_and_choice_are_met_exactly_with_sampling(client):
             extra_body={"structured_outputs": extra},
         ).choices[0]
 
+    def complete(i):
+        # The text completions' endpoint, with OpenAI's `response_format`.
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": options}}}
+        return client.completions.create(
+            model=MODEL,
+            prompt="A direction:",
+            temperature=1.0,
+            seed=i,
+            max_tokens=24,
+            extra_body={"response_format": fmt},
+        ).choices[0]
+
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         regex = [pool.submit(create, i, {"regex": pattern}) for i in range(4)]
-        choice = [pool.submit(create, i, {"choice": options}) for i in range(4)]
+        choice = [pool.submit(create, i, {"choice": options}) for i in range(2)]
+        texts = [pool.submit(complete, i) for i in range(2)]
         regex, choice = [f.result() for f in regex], [f.result() for f in choice]
+        texts = [f.result() for f in texts]
+    for c in texts:
+        assert json.loads(c.text) in options and c.finish_reason == "stop", c
     for c in regex:
         assert re.fullmatch(pattern, c.message.content) and c.finish_reason == "stop", c
     for c in choice:
