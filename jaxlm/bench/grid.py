@@ -220,6 +220,7 @@ def run(args) -> dict:
             "l3_bytes": l3_bytes(),
             "python": platform.python_version(),
             "jax": jax.__version__,
+            "products": jaxlm.kernels.products(),
         },
         "model": {
             "path": str(path),

@@ -45,6 +45,8 @@ def format_report(report: dict) -> str:
             f"note: the weights fit in the {l3 / mib:.0f} MiB L3 cache, so decode may beat the "
             "DRAM bandwidth limit"
         )
+    if m["quantize"]:
+        lines.append(f"quantized products: {report['machine']['products']}")
     lines.append(
         f"medians of {report['settings']['repeats']} repeats; RSS "
         f"{report['baseline_rss_bytes'] / mib:.0f} MiB before loading, "

@@ -65,6 +65,13 @@ def available() -> bool:
     return os.environ.get(SWITCH, "1") != "0" and _library() is not None
 
 
+def products() -> str:
+    """The quantized products `jaxlm.ops` runs here, as `jaxlm bench` reports them:
+    `native (<path>)` or `XLA`."""
+    native = available() and jax.default_backend() == "cpu" and jax.device_count() == 1
+    return f"native ({isa()})" if native else "XLA"
+
+
 def isa() -> str | None:
     """The path the kernels take (one of `ISAS`), or None where the library is unavailable."""
     library = _library()
