@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 # One persistent compilation cache for the whole run, the processes it starts (notebooks, the
 # command line, the multi-device run) included: steps that compile to the same executable, for
@@ -252,6 +254,23 @@ def hf_logits(model, ids, mask, positions) -> np.ndarray:
             position_ids=torch.tensor(positions),
         )
     return out.logits.float().numpy()
+
+
+@functools.partial(nnx.jit, static_argnames="masked")
+def _forward(model, ids, mask, masked: bool):
+    return model(ids, attention_mask=mask) if masked else model(ids)
+
+
+def forward(model, ids, attention_mask=None) -> np.ndarray:
+    """The logits of `model(ids, attention_mask=attention_mask)`, the call compiled whole.
+
+    Eagerly, each of the forward's operations compiles on its own for each new shape and
+    sharding, three to four times the time a tiny model's whole forward takes to compile. The
+    eager call itself is `tests/test_models.py`'s to check, and on a mesh that of
+    `tests/multidevice/test_mesh.py::test_shard_moves_a_loaded_model`.
+    """
+    masked = attention_mask is not None
+    return np.asarray(_forward(model, np.asarray(ids), attention_mask, masked=masked))
 
 
 def rewrite_config(path: Path, **changes) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import BASE, hf_logits, padded_batch
+from conftest import BASE, forward, hf_logits, padded_batch
 from flax import nnx
 from test_gguf import write_gguf
 
@@ -251,7 +251,7 @@ def assert_parity(model, hf):
     for side in ("left", "right"):
         ids, mask, positions = padded_batch(hf.config.vocab_size, LENGTHS, side)
         ref = hf_logits(hf, ids, mask, positions)
-        out = np.asarray(model(ids, attention_mask=mask))
+        out = forward(model, ids, attention_mask=mask)
         real = mask.astype(bool)
         np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0, err_msg=side)
 

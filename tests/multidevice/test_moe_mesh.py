@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import BASE
+from conftest import BASE, forward
 from jax.sharding import PartitionSpec as P
 
 import jaxlm
@@ -39,13 +39,13 @@ def test_experts_split_over_model_and_compute_as_on_one_device(saved):
     model, _ = jaxlm.load(saved)
     # One row decodes with the chosen experts gathered, two with every expert.
     expected = [jaxlm.generate(model, None, p, **kw).token_ids for p in (PROMPTS[:1], PROMPTS)]
-    logits = np.asarray(model(ids))
+    logits = forward(model, ids)
     model, _ = jaxlm.load(saved, mesh=(1, 4))
     experts = model.model.layers[0].mlp.experts
     for weight in (experts.gate_up_proj[...], experts.down_proj[...]):
         assert weight.sharding.spec == P("model", None, None)
         assert {s.data.shape[0] for s in weight.addressable_shards} == {2}
-    np.testing.assert_allclose(np.asarray(model(ids)), logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(forward(model, ids), logits, atol=1e-5, rtol=0)
     for prompts, tokens in zip((PROMPTS[:1], PROMPTS), expected, strict=True):
         assert jaxlm.generate(model, None, prompts, **kw).token_ids == tokens
     # The plan counts each device's two experts of each layer. Its step is the one `generate`
