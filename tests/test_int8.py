@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import BASE, hf_logits, padded_batch
+from conftest import BASE, forward, hf_logits, padded_batch
 from flax import nnx
 from test_gguf import TINY, random_blocks, tiny_llama_tensors, write_gguf
 
@@ -118,7 +118,7 @@ def test_int8_logits_equal_the_quantized_product_in_transformers(tiny_llama):
     hf = quantized_reference(path, model)
     ids, mask, positions = padded_batch(hf.config.vocab_size, [9, 5], "left")
     ref = hf_logits(hf, ids, mask, positions)
-    out = np.asarray(model(ids, attention_mask=mask))
+    out = forward(model, ids, attention_mask=mask)
     real = mask.astype(bool)
     np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0)
 
