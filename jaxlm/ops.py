@@ -195,6 +195,9 @@ def computed_once(predicate: jax.Array, fn, otherwise, *operands):
 
 # 8-bit products.
 
+# On CPU, jaxlm's native int8 product runs up to this many columns, XLA's integer dot more.
+_NATIVE_W8_COLUMNS = 8
+
 # Weights are rotated along their input in blocks of up to this many features.
 _ROTATION_BLOCK = 64
 # The second int8 digit of an activation counts steps this many times finer than the first's.
@@ -261,9 +264,10 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
       two it is negligible, and the rotation of the input (random signs and Hadamard blocks,
       folded into the weight) halves what the weights' rounding costs (see
       `docs/performance.md`, "8-bit products").
-    - One CPU device with jaxlm's native kernels (`jaxlm.kernels`): the same two digits, in
-      a custom call that reads the int8 weight once for both; XLA's integer dot streamed the
-      weights at a third of the memory's speed (see `docs/performance.md`, "Native products").
+    - One CPU device with jaxlm's native kernels (`jaxlm.kernels`), up to 8 columns: the
+      same two digits, in a custom call that reads the int8 weight once for both; XLA's
+      integer dot streamed the weights at a third of the memory's speed, but ran more columns
+      (a prompt chunk) faster (see `docs/performance.md`, "Native products").
     - Otherwise the int8 weight is converted inside a bfloat16 dot and its rows scaled after,
       the weight-only product that GPU and TPU compilers fuse.
 
@@ -279,7 +283,7 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
     cols = math.prod(x.shape[1:])
     flat = _rotate(x.reshape(k, cols), 0)
     dims = (((q.ndim - 1,), (0,)), ((), ()))
-    if native and k <= kernels.W8_MAX_IN:
+    if native and k <= kernels.W8_MAX_IN and cols <= _NATIVE_W8_COLUMNS:
         return kernels.w8_matmul(q, scale, flat).reshape(*q.shape[:-1], *x.shape[1:])
     if platform() == "cpu":
         y = _in_two_digits(q, flat.astype(jnp.float32), dims)

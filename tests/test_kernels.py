@@ -152,6 +152,9 @@ def test_switched_off_products_run_through_xla(monkeypatch):
     x = jnp.asarray(rng.standard_normal((64, 2), np.float32))
     native = [ops.quantized_matmul(q, scale, x), ops.quantized_matmul(packed, scales, x)]
     assert custom_calls(ops.quantized_matmul, q, scale, x) == 1
+    # A prompt chunk's many columns: XLA's integer dot ran them faster.
+    assert custom_calls(ops.quantized_matmul, q, scale, jnp.ones((64, 9))) == 0
+    assert custom_calls(ops.quantized_matmul, packed, scales, jnp.ones((64, 9))) == 1
     assert kernels.products() == f"native ({ISAS[-1]})"
     monkeypatch.setenv(kernels.SWITCH, "0")
     assert kernels.products() == "XLA"
