@@ -1,6 +1,5 @@
 """The step's penalties, `logit_bias` and grammar masks against NumPy and `llguidance`'s own
-reference on hand-made logits; grammars held on a random tiny model; tool calls rendered and
-parsed in each family's format."""
+reference on hand-made logits; tool calls rendered and parsed in each family's format."""
 
 from __future__ import annotations
 
@@ -8,15 +7,14 @@ import json
 
 import jax
 import jax.numpy as jnp
-import jsonschema
 import llguidance.numpy as lln
 import numpy as np
 import pytest
+import tokenizers
 
 import jaxlm
 from jaxlm import sampling
 from jaxlm.batching import step
-from jaxlm.constrain import Grammar
 from jaxlm.requests import MAX_LOGIT_BIAS
 from jaxlm.serve import tools
 from jaxlm.tokenizer import Tokenizer
@@ -113,47 +111,6 @@ def test_the_steps_penalties_bias_and_mask_equal_numpy():
     assert compiles.builds == 0
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_chat):
-    model, tokenizer = jaxlm.load(tiny_chat)
-    with jaxlm.LLMEngine(
-        model, tokenizer, max_num_seqs=4, page_size=8, num_pages=4 * 12 + 1, max_seq_len=96,
-        max_num_batched_tokens=16,
-    ) as engine:  # fmt: skip
-        yield engine
-
-
-DIGITS = {"type": "integer", "minimum": 0, "maximum": 9}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "integer", "minimum": -5, "maximum": 99},
-        "tag": {"enum": ["a", "bb", "Émile"]},
-        "ok": {"type": "boolean"},
-        "xs": {"type": "array", "items": DIGITS, "maxItems": 3},
-    },
-    "required": ["n", "tag", "ok", "xs"],
-    "additionalProperties": False,
-}
-
-
-def test_a_random_model_meets_its_grammar(tiny):
-    # Random weights: only the mask makes the output fit, and the grammar's end stops it.
-    handles = [
-        tiny.submit("The", max_new_tokens=80, temperature=1.0, seed=s, response_format=f)
-        for s, f in enumerate([Grammar.json(SCHEMA)] * 3 + [Grammar.choice(["yes", "no", "Paris"])])
-    ]
-    handles.append(tiny.submit("The", max_new_tokens=6, response_format=Grammar.regex("[0-9]{30}")))
-    outs = [h.result(timeout=120) for h in handles]
-    for out in outs[:3]:
-        jsonschema.validate(json.loads(out.text), SCHEMA)
-        assert out.finish_reason == "stop"
-    assert outs[3].text in ("yes", "no", "Paris") and outs[3].finish_reason == "stop"
-    # A regular expression longer than `max_tokens`: that ends it.
-    assert outs[4].text.isdigit() and outs[4].finish_reason == "length"
-    assert len(outs[4].token_ids) == 6 and tiny.stats().pages_in_use == 0
-
-
 FN = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
 CALLS = tools.Tools([FN], "auto", True)
 ONE, TWO = '{"name": "f", "arguments": {"x": 1}}', '{"name": "f", "arguments": {"x": 2}}'
@@ -191,12 +148,13 @@ def test_text_that_is_no_call_of_a_listed_function_stays_content(text):
         assert tools.parse_calls(text, parser, CALLS) == (text, [])
 
 
-def test_templates_pick_their_parser_and_render_tools(tiny_chat):
+def test_templates_pick_their_parser_and_render_tools():
     assert tools.parser_of("{{ '<tool_call>' }}") == "hermes"
     assert tools.parser_of("[TOOL_CALLS]") == "mistral"
     assert tools.parser_of("<|python_tag|>") == "llama3_json"
     assert tools.parser_of(None) == "json"
-    backend = Tokenizer.from_hf_dir(tiny_chat).backend
+    # Rendering reads no vocabulary: any backend will do.
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0}, unk_token="a"))
     template = (
         "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
         "{% for m in messages %}{{ m.role }}:{{ m.content }}"

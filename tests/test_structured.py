@@ -144,6 +144,15 @@ def test_regex_and_choice_are_met_exactly_with_sampling(client):
             extra_body={"structured_outputs": extra},
         ).choices[0]
 
+    def endless():
+        # A pattern longer than `max_tokens`: that ends it.
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=ask("Digits:"),
+            max_completion_tokens=6,
+            extra_body={"structured_outputs": {"regex": "[0-9]{40}"}},
+        ).choices[0]
+
     def complete(i):
         # The text completions' endpoint, with OpenAI's `response_format`.
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": options}}}
@@ -160,8 +169,11 @@ def test_regex_and_choice_are_met_exactly_with_sampling(client):
         regex = [pool.submit(create, i, {"regex": pattern}) for i in range(4)]
         choice = [pool.submit(create, i, {"choice": options}) for i in range(2)]
         texts = [pool.submit(complete, i) for i in range(2)]
+        long = pool.submit(endless)
         regex, choice = [f.result() for f in regex], [f.result() for f in choice]
-        texts = [f.result() for f in texts]
+        texts, long = [f.result() for f in texts], long.result()
+    assert long.message.content.isdigit() and long.finish_reason == "length"
+    assert len(long.message.content) < 40
     for c in texts:
         assert json.loads(c.text) in options and c.finish_reason == "stop", c
     for c in regex:
