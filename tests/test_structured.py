@@ -223,40 +223,36 @@ def _check_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
 
 
-@pytest.mark.parametrize(
-    "choice",
-    ["required", {"type": "function", "function": {"name": "get_time"}}],
-    ids=["required", "named"],
-)
-def test_forced_tool_calls_fit_their_schemas_streamed_or_not(client, choice):
-    kw = dict(
-        model=MODEL,
-        messages=ask("What is the weather in Oslo?"),
-        tools=TOOLS,
-        tool_choice=choice,
-        temperature=0,
-        max_completion_tokens=64,
-    )
+def test_forced_tool_calls_fit_their_schemas_streamed_or_not(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
 
-    def stream():
+    def call(choice, stream):
+        kw = dict(
+            model=MODEL,
+            messages=ask("What is the weather in Oslo?"),
+            tools=TOOLS,
+            tool_choice=choice,
+            temperature=0,
+            max_completion_tokens=64,
+        )
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0]
         with client.chat.completions.stream(**kw) as s:
             return s.get_final_completion().choices[0]
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        streamed = pool.submit(stream)
-        out = client.chat.completions.create(**kw).choices[0]
-        streamed = streamed.result()
-    assert out.finish_reason == "tool_calls"
-    _check_calls(out.message.tool_calls)
-    if isinstance(choice, dict):
-        assert [c.function.name for c in out.message.tool_calls] == ["get_time"]
-    assert streamed.finish_reason == "tool_calls"
-    pairs = zip(streamed.message.tool_calls, out.message.tool_calls, strict=True)
-    for a, b in pairs:
-        assert (a.function.name, json.loads(a.function.arguments)) == (
-            b.function.name,
-            json.loads(b.function.arguments),
-        )
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(call, c, st) for c in ("required", named) for st in (False, True)]
+        required, required_streamed, named_out, named_streamed = (f.result() for f in futures)
+    assert [c.function.name for c in named_out.message.tool_calls] == ["get_time"]
+    for out, streamed in ((required, required_streamed), (named_out, named_streamed)):
+        assert out.finish_reason == streamed.finish_reason == "tool_calls"
+        _check_calls(out.message.tool_calls)
+        pairs = zip(streamed.message.tool_calls, out.message.tool_calls, strict=True)
+        for a, b in pairs:
+            assert (a.function.name, json.loads(a.function.arguments)) == (
+                b.function.name,
+                json.loads(b.function.arguments),
+            )
 
 
 def test_a_tool_result_renders_and_is_answered(client, http):
