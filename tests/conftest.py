@@ -102,12 +102,14 @@ FILE_SECONDS = {
     "test_bench.py": 85,
     "test_families.py": 85,
     "test_generate.py": 60,
+    "test_int4.py": 55,
     "test_reliability.py": 50,
     "test_models.py": 40,
     "test_default_model.py": 30,
     "test_phi3.py": 30,
     "test_gguf.py": 30,
     "test_paged.py": 25,
+    "test_kernels.py": 15,
 }
 
 
