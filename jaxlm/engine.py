@@ -12,9 +12,14 @@ The generation loop keeps its state in the `"decode"` part of the scratch:
   `dynamic_update_slice`. Generated tokens go to slots `P, P + 1, ...`.
 - The token at slot `cache_index` has been sampled but not yet fed to the model.
 - `num_generated[b]` counts the tokens of row `b` before its first stop token; `done[b]` is set
-  once a stop token is sampled.
+  once a stop token is sampled or a stop string is complete.
 - `rng[b]` is row `b`'s key; the key of its `n`-th token is `fold_in(rng[b], n)`, so a row's
   samples depend neither on the other rows nor on how a stream is cut into chunks.
+- `tail[b]` holds the last bytes of row `b`'s generated text, so that the loop ends a row at a
+  stop string (`jaxlm.stops`).
+
+A step's `stops` are the stop token ids, padded with -1, and the stop strings with the table of
+each token's bytes that the loop reads them with (`jaxlm.stops`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import sampling
+from jaxlm import sampling, stops
 from jaxlm.memory import (
     Layout,
     ScratchSpec,
@@ -56,6 +61,9 @@ class DecodeState(nnx.Module):
             ("batch",), jnp.int32, axes=("batch",), doc="tokens before the stop"
         )
         self.prompt_end = ScratchSpec((), jnp.int32, doc="slot of the first generated token")
+        self.tail = ScratchSpec(
+            ("batch", stops.TAIL), jnp.int32, axes=("batch", None), doc="last bytes of the text"
+        )
 
 
 def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
@@ -78,7 +86,7 @@ def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
     return jax.lax.fori_loop(0, n_chunks, run, (state, logits0))
 
 
-def _sample_next(scratch, logits, params, stop_ids):
+def _sample_next(scratch, logits, params, stop):
     """Sample the token after the cache's last slot and record it in the decode state."""
     d = scratch["decode"]
     m = scratch["model"]
@@ -98,18 +106,26 @@ def _sample_next(scratch, logits, params, stop_ids):
     token = sampling.sample(
         logits, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
     )
-    is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=1)
+    is_stop = jnp.any(token[:, None] == stop["ids"][None, :], axis=1)
+    # The token that completes a stop string counts as generated: the host cuts the text.
+    tail, at_string = jax.lax.cond(
+        jnp.any(stop["strings"] >= 0),
+        lambda tail: stops.advance(tail, token, stop["strings"], stop["table"], stop["lengths"]),
+        lambda tail: (tail, jnp.zeros(token.shape, bool)),
+        d["tail"],
+    )
     done = d["done"]
     decode = {
         **d,
         "tokens": write_cache(d["tokens"], token[:, None], index, axis=1),
         "num_generated": d["num_generated"] + (~done & ~is_stop),
-        "done": done | is_stop,
+        "done": done | is_stop | at_string,
+        "tail": tail,
     }
     return {**scratch, "decode": decode}
 
 
-def start(model, scratch, prompt, lengths, rng, params, stop_ids, chunk):
+def start(model, scratch, prompt, lengths, rng, params, stop, chunk):
     """Prefill the prompts and sample each row's first token."""
     scratch, logits = _reset_and_prefill(model, scratch, prompt, lengths, chunk)
     b, p = prompt.shape
@@ -122,11 +138,12 @@ def start(model, scratch, prompt, lengths, rng, params, stop_ids, chunk):
         "done": jnp.zeros((b,), bool),
         "num_generated": jnp.zeros((b,), jnp.int32),
         "prompt_end": jnp.int32(p),
+        "tail": jnp.full(d["tail"].shape, -1, jnp.int32),
     }
-    return _sample_next({**scratch, "decode": d}, logits, params, stop_ids)
+    return _sample_next({**scratch, "decode": d}, logits, params, stop)
 
 
-def decode_loop(model, scratch, params, stop_ids, limit):
+def decode_loop(model, scratch, params, stop, limit):
     """Decode until every row is done or `limit` tokens have been sampled in all."""
 
     def generated(s):
@@ -139,7 +156,7 @@ def decode_loop(model, scratch, params, stop_ids, limit):
         index = s["model"]["cache_index"]
         token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], index, 1, axis=1)
         logits, s = model.forward_cached(token, s, last_only=True)
-        return _sample_next(s, logits, params, stop_ids)
+        return _sample_next(s, logits, params, stop)
 
     return jax.lax.while_loop(cond, body, scratch)
 
@@ -216,7 +233,12 @@ class Engine:
             "lengths": sds((batch,), i32),
             "rng": sds((batch, 2), jnp.uint32),
             "params": params,
-            "stop_ids": sds((STOP_IDS_BUCKET,), i32),
+            "stops": {
+                "ids": sds((STOP_IDS_BUCKET,), i32),
+                "strings": sds((stops.MAX_STOPS, stops.STOP_BYTES), i32),
+                "table": sds((self.config.vocab_size, stops.TOKEN_BYTES), jnp.uint8),
+                "lengths": sds((self.config.vocab_size,), i32),
+            },
             "limit": sds((), i32),
         }
 
@@ -231,9 +253,9 @@ def _decode_step(model, scratch, tokens):
     return scratch, logits
 
 
-def _generate(model, scratch, prompt, lengths, rng, params, stop_ids, limit, chunk):
-    scratch = start(model, scratch, prompt, lengths, rng, params, stop_ids, chunk)
-    return decode_loop(model, scratch, params, stop_ids, limit)
+def _generate(model, scratch, prompt, lengths, rng, params, stop, limit, chunk):
+    scratch = start(model, scratch, prompt, lengths, rng, params, stop, chunk)
+    return decode_loop(model, scratch, params, stop, limit)
 
 
 # Each step run by a plan, and its static arguments.
@@ -280,11 +302,11 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
     batch = layout.dims["batch"]
     x = engine.abstract_inputs(batch, chunk)
     # The prompt's arguments, as `generate` and `start` both take them.
-    prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stop_ids"])
+    prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stops"])
     arguments = {
         "generate": ((params, scratch, *prompt, x["limit"]), {"chunk": chunk}),
         "start": ((params, scratch, *prompt), {"chunk": chunk}),
-        "decode": ((params, scratch, x["params"], x["stop_ids"], x["limit"]), {}),
+        "decode": ((params, scratch, x["params"], x["stops"], x["limit"]), {}),
     }
     unknown = set(steps) - set(arguments)
     if unknown or not steps:

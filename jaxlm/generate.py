@@ -20,6 +20,7 @@ use holds scratch between calls (`jaxlm.plans_of`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,10 +29,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxlm import stops
 from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
 from jaxlm.errors import PlanError
 from jaxlm.planner import Plan, plan
 from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_request
+from jaxlm.stops import token_table
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 16
@@ -194,11 +197,32 @@ def request_plan(
     return _plan_for(model, rows, p, seq, chunk, None, _STEPS[streaming])
 
 
-def _prepare(model, req: Request, given: Plan | None, streaming: bool) -> tuple[Plan, int, dict]:
+def _prepare(
+    model, tokenizer, req: Request, given: Plan | None, streaming: bool
+) -> tuple[Plan, int, dict]:
     """The plan of a request, its prefill chunk, and its padded inputs."""
     batch, p, seq, chunk = _shapes(req, given, _data_devices(model))
     the_plan = _plan_for(model, batch, p, seq, chunk, given, _STEPS[streaming])
-    return the_plan, chunk, _inputs(req, batch, p)
+    x = _inputs(req, batch, p)
+    x["stops"] = _stops(tokenizer, req, model.config.vocab_size)
+    return the_plan, chunk, x
+
+
+@functools.cache
+def _no_table(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((vocab_size, stops.TOKEN_BYTES), np.uint8), np.zeros((vocab_size,), np.int32)
+
+
+def _stops(tokenizer, req: Request, vocab_size: int) -> dict:
+    """The stop token ids, and the stop strings with the token table the loop checks them by,
+    where it can (`jaxlm.stops`); otherwise only the host cuts the text at them."""
+    table = token_table(tokenizer, vocab_size) if req.stop else None
+    fits = len(req.stop) <= stops.MAX_STOPS and all(
+        len(s.encode()) <= stops.STOP_BYTES for s in req.stop
+    )
+    strings = stops.encode_strings(req.stop if table is not None and fits else ())
+    table, lengths = table if table is not None and fits else _no_table(vocab_size)
+    return dict(ids=req.stop_ids, strings=strings, table=table, lengths=lengths)
 
 
 def _inputs(req: Request, batch: int, p: int) -> dict:
@@ -214,7 +238,7 @@ def _inputs(req: Request, batch: int, p: int) -> dict:
         [np.full((batch,), req.seed & 0xFFFFFFFF, np.uint32), np.arange(batch, dtype=np.uint32)],
         axis=1,
     )
-    return dict(prompt=prompt, lengths=lengths, rng=rng, params=params, stop_ids=req.stop_ids)
+    return dict(prompt=prompt, lengths=lengths, rng=rng, params=params)
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
@@ -284,7 +308,7 @@ def generate(
         stop=stop,
         plan=plan,
     )
-    the_plan, chunk, x = _prepare(model, req, plan, streaming=False)
+    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, streaming=False)
     engine = the_plan.engine
     scratch = the_plan.step("generate", x["prompt"].shape[1], chunk)(
         engine.params,
@@ -293,7 +317,7 @@ def generate(
         x["lengths"],
         x["rng"],
         x["params"],
-        x["stop_ids"],
+        x["stops"],
         np.int32(req.max_new_tokens),
     )
     tokens, counts, done, start = _read_rows(scratch, len(req.prompts))
@@ -359,7 +383,7 @@ def stream(
 
 
 def _stream(model, tokenizer, req: Request, given: Plan | None, chunk_tokens: int):
-    the_plan, chunk, x = _prepare(model, req, given, streaming=True)
+    the_plan, chunk, x = _prepare(model, tokenizer, req, given, streaming=True)
     engine = the_plan.engine
     n = len(req.prompts)
     detok = [Detokenizer(tokenizer, req.stop) for _ in range(n)]
@@ -372,7 +396,7 @@ def _stream(model, tokenizer, req: Request, given: Plan | None, chunk_tokens: in
         x["lengths"],
         x["rng"],
         x["params"],
-        x["stop_ids"],
+        x["stops"],
     )
     generated = 1
     decode = the_plan.step("decode")
@@ -392,7 +416,7 @@ def _stream(model, tokenizer, req: Request, given: Plan | None, chunk_tokens: in
         if any(pieces):
             yield pieces[0] if req.single else pieces
         generated = min(generated + chunk_tokens, req.max_new_tokens)
-        scratch = decode(engine.params, scratch, x["params"], x["stop_ids"], np.int32(generated))
+        scratch = decode(engine.params, scratch, x["params"], x["stops"], np.int32(generated))
 
 
 # `chat` takes a `stream` argument, which hides the function of that name inside it.

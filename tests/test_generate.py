@@ -321,3 +321,45 @@ def test_plans_kept_are_bounded_and_only_the_last_holds_scratch(tiny_llama):
     plans.clear()
     gc.collect()
     assert len(plans) == 0 and sum(x.nbytes for x in jax.live_arrays()) == before
+
+
+def test_the_loop_ends_at_a_stop_string(chat_model):
+    model, tok = chat_model
+    kw = dict(max_new_tokens=64, stop_token_ids=[])
+    prompt = "Once upon a time"
+    out = jaxlm.generate(model, tok, prompt, **kw).token_ids[0]
+    # A stop string of two tokens of whole characters, from the fourth token on.
+    stop = next(
+        text for k in range(3, 60) if (text := tok.decode(out[k : k + 2])).isascii() and text
+    )
+    # The tokens the loop samples before the text holds the stop string, by the tokenizer.
+    until = next(k for k in range(1, len(out) + 1) if stop in tok.decode(out[:k]))
+    jaxlm.plans_of(model).clear()
+    result = jaxlm.generate(model, tok, prompt, stop=stop, **kw)
+    text = tok.decode(out)
+    assert result.texts[0] == text[: text.index(stop)] and result.finish_reasons == ["stop"]
+    scratch = jaxlm.plans_of(model)[0]._pool[0]
+    sampled = int(scratch["model"]["cache_index"]) - int(scratch["decode"]["prompt_end"]) + 1
+    assert until < 64 and sampled == until
+
+
+def test_token_bytes_are_what_the_tokenizer_decodes(chat_model):
+    # Against the tokenizer's own decoding, on random ids whose bytes are whole characters.
+    from jaxlm.stops import TOKEN_BYTES, token_table
+
+    for tok in (chat_model[1], jaxlm.load(progress=False)[1]):
+        table, lengths = token_table(tok, tok.vocab_size)
+        rng = np.random.default_rng(0)
+        checked = 0
+        for _ in range(1000):
+            ids = rng.integers(0, tok.vocab_size, 3).tolist()
+            if max(lengths[ids]) > TOKEN_BYTES:
+                continue
+            data = b"".join(bytes(table[i, : lengths[i]]) for i in ids)
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                continue
+            assert text == tok.decode(ids), ids
+            checked += 1
+        assert checked > 100

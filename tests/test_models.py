@@ -132,7 +132,7 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
     x = engine.abstract_inputs(1, 4)
     params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), engine.params)
     jaxpr = engine.decode_loop.trace(
-        params, plan.layout.abstract(), x["params"], x["stop_ids"], x["limit"]
+        params, plan.layout.abstract(), x["params"], x["stops"], x["limit"]
     ).jaxpr
 
     def eqns(jaxpr):

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxlm
-from jaxlm import LlamaForCausalLM, ModelConfig, PlanError
+from jaxlm import LlamaForCausalLM, ModelConfig, PlanError, stops
 from jaxlm.memory import declarations, parse_bytes
 
 LENGTHS = [7, 3, 5]
@@ -173,10 +173,12 @@ def test_eight_billion_plan_without_allocating():
     kv = 2 * 32 * 8 * 8192 * 8 * 128 * 2
     assert plan.kv_cache_bytes == kv
     assert plan.weights_bytes == 8_030_261_248 * 2
-    # XLA's arguments are the weights, the scratch and the step's small inputs.
+    # XLA's arguments are the weights, the scratch, the stop strings with their token table
+    # (`jaxlm.stops`) and the step's small inputs.
     decode = plan.executables["decode"]
     assert plan.weights_bytes + plan.scratch_bytes <= decode.argument
-    assert decode.argument - plan.weights_bytes - plan.scratch_bytes < 4096
+    inputs = decode.argument - plan.weights_bytes - plan.scratch_bytes
+    assert 0 <= inputs - stops.input_bytes(config.vocab_size) < 4096
     assert plan.total_bytes >= plan.weights_bytes + plan.scratch_bytes
 
 
