@@ -182,7 +182,7 @@ def test_a_missing_library_is_reported_once(monkeypatch):
 def test_kernels_benchmark_runs_every_variant(monkeypatch, capsys):
     # The benchmark switches the kernels with the environment; monkeypatch restores it.
     monkeypatch.setenv(kernels.SWITCH, "1")
-    bench = load_benchmark("kernels")
+    bench = load_benchmark("native_products")
     args = ["--layers", "1", "--vocab", "1024", "--cols", "1,3", "--steps", "1", "--repeats", "1"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
