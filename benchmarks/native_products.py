@@ -12,8 +12,8 @@ The table gives milliseconds per step (median of `--repeats`), the stored weight
 temporaries, where a copy of the weights hoisted out of the loop shows, and the cores other
 processes kept busy meanwhile (`load`: above about 0.1, measure again).
 
-Usage: python benchmarks/native_products.py [--cols 1,2,8,128] [--steps 8] [--repeats 3] [--layers 30]
-                              [--vocab 49152]
+Usage: python benchmarks/native_products.py [--cols 1,2,8,128] [--steps 8] [--repeats 3]
+       [--layers 30] [--vocab 49152]
 """
 
 from __future__ import annotations
