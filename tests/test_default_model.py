@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from conftest import ROOT, live_executables_after
 from conftest import SMOLLM2_LLAMACPP as REFERENCE
-from conftest import live_executables_after
 
 import jaxlm
 
@@ -65,3 +67,15 @@ def test_loading_leaves_no_executables_behind(dtype):
     # JAX would keep, with their host memory, for the life of the process (SmolLM2 in bfloat16:
     # 12 executables, 19 MiB).
     assert live_executables_after(f"jaxlm.load(dtype='{dtype}', progress=False)") == []
+
+
+@pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", None), ("float32", "int8")])
+def test_greedy_tokens_equal_the_recorded_ones(dtype, quantize):
+    # The ids `generate` gave before the engine work of this round (`tests/data/README.md`);
+    # float32's are llama.cpp's, above.
+    recorded = json.loads((ROOT / "tests" / "data" / "smollm2_jaxlm_greedy.json").read_text())
+    model, tokenizer = jaxlm.load(dtype=dtype, quantize=quantize, progress=False)
+    out = jaxlm.generate(
+        model, tokenizer, recorded["prompts"], max_new_tokens=32, stop_token_ids=[]
+    )
+    assert out.token_ids == recorded[dtype + (f"+{quantize}" if quantize else "")]
