@@ -288,7 +288,7 @@ def small_buckets(monkeypatch):
     that tiny models switch among them. Traces made with either size are dropped on the way in
     and out, since `jax.jit` keys them by shapes, not by this module constant."""
     jax.clear_caches()
-    monkeypatch.setattr("jaxlm.ops.FILLED_BUCKET", 8)
+    monkeypatch.setattr("jaxlm.ops.attention.FILLED_BUCKET", 8)
     yield
     jax.clear_caches()
 

@@ -1,0 +1,250 @@
+"""The KV cache's layouts, reads and writes, and attention over it (see `jaxlm.ops`).
+
+Contiguous caches (`kv_cache_specs`, `generate`'s plans) and pages (`paged_kv_specs`, the
+serving engine's) are read in the same layouts, so `attend` serves both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.memory import ScratchSpec
+from jaxlm.ops.backend import platform
+
+_MASKED = -1e30
+
+
+# The KV cache.
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a scratch slot of `dtype` is stored in.
+
+    XLA:CPU rewrites a bfloat16 `dynamic_update_slice` into a convert of the whole buffer to
+    float32 and back; the same bits stored as uint16 update in place (see
+    `docs/performance.md`, "bfloat16 caches as uint16"). `write_cache` and `read_cache`
+    convert at the edges, bit-exactly.
+    """
+    if platform() == "cpu" and dtype == jnp.bfloat16:
+        return np.dtype(np.uint16)
+    return np.dtype(dtype)
+
+
+def _as_stored(new: jax.Array, buf: jax.Array) -> jax.Array:
+    """`new` in `buf`'s storage dtype (bfloat16 as its uint16 bits)."""
+    if buf.dtype == jnp.uint16:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    return new.astype(buf.dtype)
+
+
+def write_cache(buf: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """Write `new` into `buf` at `index` along `axis` (in place when `buf` is donated)."""
+    start = [0] * buf.ndim
+    start[axis] = index
+    return jax.lax.dynamic_update_slice(buf, _as_stored(new, buf), start)
+
+
+def read_cache(buf: jax.Array) -> jax.Array:
+    """The cache values of `buf`, undoing the uint16 storage of bfloat16."""
+    if buf.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(buf, jnp.bfloat16)
+    return buf
+
+
+def kv_cache_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
+    """The declared K and V caches of one attention layer.
+
+    Keys as `[batch * kv_heads, head_dim, seq]` and values as `[batch * kv_heads, seq,
+    head_dim]`: the layouts in which both attention products are plain batched matmuls.
+    Folding the batch into the heads keeps a batch of one from being a unit dimension that XLA
+    drops with a bitcast between the cache update and the product, which made XLA:CPU copy each
+    cache twice per step (see `docs/performance.md`, "KV cache layout").
+
+    On a mesh, the folded dimension splits over `data` x `model`: device (i, j) holds the
+    (i * model + j)-th block of (row, KV head) pairs, which are the rows of data shard i and the
+    heads of model shard j when `model` is 1 or each data shard holds one row. Attention runs
+    where the cache lies either way; only the new tokens' keys, values and queries move.
+    """
+    axes = (("batch", "kv_heads"), None, None)
+    rows = ("batch", num_kv_heads)
+    return (
+        ScratchSpec((rows, head_dim, "seq"), dtype, axes=axes, doc="attention keys"),
+        ScratchSpec((rows, "seq", head_dim), dtype, axes=axes, doc="attention values"),
+    )
+
+
+def to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values `[kv_heads, head_dim, B, T]` in the layouts of `kv_cache_specs`."""
+    nkv, d, b, t = k.shape
+    return (
+        k.transpose(2, 0, 1, 3).reshape(b * nkv, d, t),
+        v.transpose(2, 0, 3, 1).reshape(b * nkv, t, d),
+    )
+
+
+def write_kv(scratch: dict, k: jax.Array, v: jax.Array, index: jax.Array) -> dict:
+    """`scratch`'s `k_cache` and `v_cache` with `k` and `v` (cache layouts) written at slot
+    `index`."""
+    return {
+        "k_cache": write_cache(scratch["k_cache"], k, index, axis=2),
+        "v_cache": write_cache(scratch["v_cache"], v, index, axis=1),
+    }
+
+
+def paged_kv_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
+    """The declared paged K and V caches of one attention layer: keys `[num_pages, kv_heads,
+    head_dim, page_size]` and values `[num_pages, kv_heads, page_size, head_dim]`, so that a
+    sequence's pages gathered in order are `kv_cache_specs`' layouts, and attention reads them
+    as it reads a contiguous cache. On a mesh the pages split by KV head over `model`."""
+    axes = (None, "kv_heads", None, None)
+    return (
+        ScratchSpec(
+            ("num_pages", num_kv_heads, head_dim, "page_size"), dtype, axes=axes, doc="key pages"
+        ),
+        ScratchSpec(
+            ("num_pages", num_kv_heads, "page_size", head_dim), dtype, axes=axes, doc="value pages"
+        ),
+    )
+
+
+def write_paged(cache: dict, groups) -> dict:
+    """`cache`'s `k_pages` and `v_pages` with the keys and values of every group of `groups`
+    written, in one update each (in place when `cache` is donated).
+
+    A group is `(k, v, slots)`: the keys `[R * kv_heads, D, C]` and values `[R * kv_heads, C,
+    D]` of `R` rows of `C` tokens (the cache layouts) and their slots `[R, C]`, each `page *
+    page_size + offset`. Two updates of a page array in one step made XLA copy it whole."""
+    k_pages, v_pages = cache["k_pages"], cache["v_pages"]
+    kv, d, size = k_pages.shape[1:]
+    ks, vs, slots = [], [], []
+    for k, v, where in groups:
+        rows, cols = where.shape
+        ks.append(k.reshape(rows, kv, d, cols).transpose(0, 3, 1, 2).reshape(-1, kv, d))
+        vs.append(v.reshape(rows, kv, cols, d).transpose(0, 2, 1, 3).reshape(-1, kv, d))
+        slots.append(where.reshape(-1))
+    k, v, slots = (jnp.concatenate(a) for a in (ks, vs, slots))  # [N, kv, D], [N]
+    page, offset = slots // size, slots % size
+    return {
+        "k_pages": k_pages.at[page, :, :, offset].set(_as_stored(k, k_pages)),
+        "v_pages": v_pages.at[page, :, offset, :].set(_as_stored(v, v_pages)),
+    }
+
+
+def gather_pages(cache: dict, table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The keys `[R * kv_heads, D, L]` and values `[R * kv_heads, L, D]` of the pages that
+    `table` `[R, pages_per_seq]` lists for each row, in order: `L = pages_per_seq * page_size`
+    slots, as `attend` takes them."""
+    k_pages, v_pages = cache["k_pages"], cache["v_pages"]
+    rows, per_seq = table.shape
+    kv, d, size = k_pages.shape[1:]
+    k = read_cache(k_pages[table]).transpose(0, 2, 3, 1, 4)  # [R, kv, D, pages, size]
+    v = read_cache(v_pages[table]).transpose(0, 2, 1, 3, 4)  # [R, kv, pages, size, D]
+    length = per_seq * size
+    return k.reshape(rows * kv, d, length), v.reshape(rows * kv, length, d)
+
+
+# Attention.
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention of queries `q` `[heads, D, B, T]` over keys `k`
+    `[B * kv_heads, D, S]` and values `v` `[B * kv_heads, S, D]` (the cache layouts, as values)
+    where `mask` `[B, T, S]` holds; returns the heads' outputs `[heads * D, B, T]`.
+
+    The scores are scaled by `scale` (`D ** -0.5` without it) and, with `softcap`, capped to
+    `softcap * tanh(scores / softcap)` (Gemma 2).
+
+    A chunk of several tokens multiplies in the cache's dtype (bfloat16 runs natively on CPUs
+    with bf16 instructions); one token converts the cache to float32, whose products ran faster
+    there (see `docs/performance.md`, "Attention products' dtype").
+    """
+    heads, d, b, t = q.shape
+    nkv = k.shape[0] // b
+    g = heads // nkv
+    q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b * nkv, g * t, d)
+    dtype = k.dtype if t > 1 else jnp.float32
+    f32 = jnp.float32
+    scores = jnp.einsum("nqd,nds->nqs", q.astype(dtype), k, preferred_element_type=f32)
+    scores = scores * (d**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    mask = jnp.broadcast_to(mask[:, None, None], (b, nkv, g, t, mask.shape[-1]))
+    scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("nqs,nsd->nqd", probs, v.astype(dtype), preferred_element_type=f32)
+    out = out.reshape(b, nkv, g, t, d)
+    return out.transpose(1, 2, 4, 0, 3).reshape(heads * d, b, t)
+
+
+# The smallest part of the KV cache that `attend_cached` reads.
+FILLED_BUCKET = 256
+
+
+def _smaller_buckets(total: int, first: int) -> list[int]:
+    # `first` doubling, below `total`.
+    return [n for n in (first << i for i in range(total.bit_length())) if n < total]
+
+
+def _smallest_that_holds(end, sizes, unit, branch, *operands):
+    # `branch(size, *operands)` for the smallest of `sizes` whose `size * unit` slots hold the
+    # first `end`, picked at run time.
+    if len(sizes) == 1:
+        return branch(sizes[0], *operands)
+    index = jnp.searchsorted(jnp.asarray(sizes) * unit, end)
+    branches = [functools.partial(branch, size) for size in sizes]
+    return jax.lax.switch(index, branches, *operands)
+
+
+def attend_cached(q, k_cache, v_cache, mask, end, **options):
+    """`attend` over the caches as stored, reading only their first slots: the smallest of
+    their sizes (256 slots doubling up to the whole cache, and a chunk of several tokens' own
+    length) that holds the `end` slots in use. `options` are `attend`'s `scale` and `softcap`.
+
+    Slots from `end` on are masked for every query, so leaving them out changes nothing but
+    the work: a plan sized for long requests attends over short ones about as fast as a small
+    plan (see `docs/performance.md`, "Attention over the filled slots").
+    """
+    seq, t = k_cache.shape[-1], q.shape[-1]
+    sizes = _smaller_buckets(seq, FILLED_BUCKET)
+    if 1 < t < (sizes or [seq])[0]:
+        # The first chunk of a prompt fills only its own slots.
+        sizes.insert(0, t)
+
+    def branch(size, q, k, v, mask):
+        # The caches enter in their storage dtype and are read inside the branch: bfloat16
+        # caches stored as uint16 and read before it made XLA copy each cache twice per step.
+        k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
+        return attend(q, k, v, mask[..., :size], **options)
+
+    return _smallest_that_holds(end, [*sizes, seq], 1, branch, q, k_cache, v_cache, mask)
+
+
+def attend_paged(q, cache, table, mask, end, **options):
+    """`attend` over the pages that `table` `[R, pages_per_seq]` lists, reading only the first
+    of them: the fewest (those holding 256 slots, doubling up to the whole row) that hold the
+    `end` slots in use, as `attend_cached` reads a contiguous cache.
+
+    A plan sized for long requests (`jaxlm serve` allows 4096 tokens) would otherwise gather
+    every page of every row at each step (see `docs/performance.md`, "Attention over the
+    filled slots").
+    """
+    per_seq, size = table.shape[1], cache["k_pages"].shape[-1]
+    counts = [*_smaller_buckets(per_seq, -(-FILLED_BUCKET // size)), per_seq]
+
+    def branch(count, q, cache, table, mask):
+        k, v = gather_pages(cache, table[:, :count])
+        return attend(q, k, v, mask[..., : count * size], **options)
+
+    return _smallest_that_holds(end, counts, size, branch, q, cache, table, mask)
