@@ -149,7 +149,7 @@ class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`.
 
     The gate and up weights are stacked, `gate_up_proj.weight` `[2, intermediate, hidden]`
-    (checkpoints' `gate_proj` and `up_proj`, see `jaxlm.loading.STACKED`), and multiply as one
+    (checkpoints' `gate_proj` and `up_proj`, see `jaxlm.loading.names.STACKED`), and multiply as one
     product (see `docs/performance.md`, "Gate and up as one product"). A chunk of tokens runs
     in the parts of its columns that `jaxlm.ops.mlp_column_parts` gives.
     """

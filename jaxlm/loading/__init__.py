@@ -20,6 +20,19 @@ from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
 from jaxlm.kernels import int4
 from jaxlm.loading.gguf import unpermute_qk
+
+# The parameters of a model as checkpoint tensors, for the tests and benchmarks.
+from jaxlm.loading.names import checkpoint_tensors as checkpoint_tensors
+from jaxlm.loading.names import (
+    fused_rows,
+    join,
+    param_name,
+    part_shapes,
+    rows_reader,
+    split,
+    stored_as,
+    stored_shapes,
+)
 from jaxlm.memory import release_host_memory
 from jaxlm.models import model_class
 from jaxlm.models.llama import LlamaForCausalLM
@@ -32,40 +45,6 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-# Parameters that join several checkpoint tensors: a part of the parameter's name -> the same
-# part of each tensor's name, in order. Gate and up stack along a leading axis (see
-# `jaxlm.layers.MLP`); the query, key and value projections are `[kv_heads, rows, ...]`, each
-# KV head's block the rows of its query heads, its key and its value (see
-# `jaxlm.models.llama.Attention`).
-STACKED = {".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}
-GROUPED = {
-    ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.")
-}
-# The families whose checkpoints hold these joined parameters as one tensor each, named as the
-# parameter, its parts (those of `STACKED` or `GROUPED`) concatenated along the rows.
-FUSED = {"phi3": (".self_attn.qkv_proj.", ".mlp.gate_up_proj.")}
-# A mixture of experts stacks each layer's experts in one parameter (see `jaxlm.models.moe`),
-# as checkpoints that transformers 5 writes with `save_original_format=False` hold them. The
-# Hub's hold one tensor per expert: by `model_type`, a part of the parameter's name -> the same
-# part of each expert's tensors (`{e}` its index), in order, joined as `"experts"`; a part
-# without `{e}` renames a tensor (Mixtral's router).
-PER_EXPERT = {
-    "mixtral": {
-        ".mlp.gate.": (".block_sparse_moe.gate.",),
-        ".mlp.experts.gate_up_proj": (
-            ".block_sparse_moe.experts.{e}.w1.weight",
-            ".block_sparse_moe.experts.{e}.w3.weight",
-        ),
-        ".mlp.experts.down_proj": (".block_sparse_moe.experts.{e}.w2.weight",),
-    },
-    "qwen3_moe": {
-        ".mlp.experts.gate_up_proj": (
-            ".mlp.experts.{e}.gate_proj.weight",
-            ".mlp.experts.{e}.up_proj.weight",
-        ),
-        ".mlp.experts.down_proj": (".mlp.experts.{e}.down_proj.weight",),
-    },
-}
 
 
 def default_model_path() -> Path:
@@ -197,13 +176,13 @@ def build_model(
     _check_dims(config, checkpoint, available, where)
     abstract = model_class(config).abstract(config, dtype=dtype, quantize=quantize)
     graphdef, state = nnx.split(abstract)
-    variables = {_name(path): var for path, var in nnx.to_flat_state(state)}
+    variables = {param_name(path): var for path, var in nnx.to_flat_state(state)}
     # An int8 weight's scales are computed with it, not read: by weight name.
     scales = {
         name.removesuffix("scale") + "weight": variables.pop(name)
         for name in [n for n in variables if n.endswith(".scale")]
     }
-    stored = {name: _stored_as(name, config, available) for name in variables}
+    stored = {name: stored_as(name, config, available) for name in variables}
     needed = {part for parts, _ in stored.values() for part in parts}
     missing = sorted(needed - available)
     unexpected = sorted(available - needed)
@@ -232,9 +211,9 @@ def build_model(
             # Two 4-bit values a byte: the checkpoint's shape has twice the inputs.
             expected = (*expected[:-1], 2 * expected[-1])
         parts, kind = stored[name]
-        shapes = _part_shapes(config, kind, expected, len(parts))
+        shapes = part_shapes(config, kind, expected, len(parts))
         fused = len(parts) < len(shapes)
-        for part, shape in zip(parts, _stored_shapes(shapes, fused), strict=True):
+        for part, shape in zip(parts, stored_shapes(shapes, fused), strict=True):
             _check_shape(where, part, checkpoint.shape(part), shape)
         if partitioner is None and name in scales and kind is None:
             # A whole quantized parameter: its 4-bit blocks kept, or decoded and quantized a
@@ -254,8 +233,8 @@ def build_model(
                 # Joined 4-bit blocks: each part's kept, joined along the rows as floats are.
                 blocks = [_gguf_int4(raw, decode) for raw, decode in encoded]
                 finite.update(zip(parts, [ok for *_, ok in blocks], strict=True))
-                value = _join(kind, [b[0] for b in blocks], expected, shapes)
-                scales.pop(name).set_value(_join(kind, [b[1] for b in blocks], expected, shapes))
+                value = join(kind, [b[0] for b in blocks], expected, shapes)
+                scales.pop(name).set_value(join(kind, [b[1] for b in blocks], expected, shapes))
             else:
                 values = []
                 for part, (raw, decode) in zip(parts, encoded, strict=True):
@@ -266,7 +245,7 @@ def build_model(
             sharding = partitioner.sharding(param_axes(var))
             readers = [checkpoint.slicer(part) for part in parts]
             if fused:
-                readers = [_rows_reader(readers[0], rows) for rows in _fused_rows(shapes)]
+                readers = [rows_reader(readers[0], rows) for rows in fused_rows(shapes)]
             value = _place(kind, readers, shapes, expected, read_as, sharding)
             value, checks = placed(kind, value, tuple(shapes), bits=bits, fused=fused)
             finite.update(zip(parts, checks, strict=True))
@@ -288,7 +267,7 @@ def build_model(
 
 
 def _loading_steps():
-    """The jitted steps that cast, join and check the tensors (`_to_model` and `_join`, or
+    """The jitted steps that cast, join and check the tensors (`_to_model` and `join`, or
     `_placed` on a mesh), new for each load: JAX keeps the executables of a jitted function as
     long as the function lives, and no step after loading uses these (see
     `docs/performance.md`, "Host memory"). A later load compiles them again, or reads them from
@@ -298,7 +277,7 @@ def _loading_steps():
         jax.jit(
             functools.partial(_to_model), static_argnames=("decode", "dtype", "bits", "quantize")
         ),
-        jax.jit(functools.partial(_join), static_argnums=(0, 2, 3)),
+        jax.jit(functools.partial(join), static_argnums=(0, 2, 3)),
         jax.jit(
             functools.partial(_placed), static_argnums=(0, 2), static_argnames=("bits", "fused")
         ),
@@ -327,7 +306,7 @@ def _check_shape(where, name: str, shape, checkpoint_shape) -> None:
 
 def _place(kind: str | None, readers, shapes, shape, dtype, sharding) -> jax.Array:
     """The parameter of `shape` that `readers` read (one per checkpoint tensor, of `shapes`,
-    joined as `kind`, see `_join`) placed with `sharding`: each device reads, casts and
+    joined as `kind`, see `join`) placed with `sharding`: each device reads, casts and
     receives its piece.
     """
 
@@ -407,7 +386,7 @@ def _placed(
     whether each of its checkpoint tensors (of `shapes`, joined as `kind`, or one tensor of
     them all where `fused`, see `FUSED`) is all finite.
     """
-    parts = [value] if fused else _split(kind, value, shapes)
+    parts = [value] if fused else split(kind, value, shapes)
     finite = [jnp.isfinite(part).all() for part in parts]
     return (jax.lax.bitcast_convert_type(value, jnp.uint16) if bits else value), finite
 
@@ -495,137 +474,3 @@ def _not_finite(checkpoint, name: str, tensor, dtype) -> str:
         f"{checkpoint.file(name)}: tensor {label} has values beyond the range of "
         f"`{jnp.dtype(dtype).name}`; load it in another `dtype`, or pass `check_finite=False`"
     )
-
-
-def _name(path) -> str:
-    return ".".join(str(k) for k in path)
-
-
-def _join_kind(name: str) -> str | None:
-    """How parameter `name` joins checkpoint tensors: `"stacked"`, `"grouped"` or None."""
-    for kind, table in (("stacked", STACKED), ("grouped", GROUPED)):
-        if any(joined in name for joined in table):
-            return kind
-    return None
-
-
-def checkpoint_names(name: str, model_type: str | None = None) -> tuple[str, ...]:
-    """The checkpoint tensors that model parameter `name` holds, in order if it joins several
-    (see `STACKED` and `GROUPED`), else `(name,)`; `(name,)` too where the checkpoints of
-    `model_type` fuse its parts (see `FUSED`).
-    """
-    if any(fused in name for fused in FUSED.get(model_type, ())):
-        return (name,)
-    for joined, parts in (STACKED | GROUPED).items():
-        if joined in name:
-            return tuple(name.replace(joined, part) for part in parts)
-    return (name,)
-
-
-def _stored_as(
-    name: str, config: ModelConfig, available=frozenset()
-) -> tuple[tuple[str, ...], str | None]:
-    """The checkpoint tensors that hold parameter `name` and how they join (see `_join_kind`):
-    a mixture of experts' parameter is itself where the checkpoint, of tensors `available`,
-    holds it, else the Hub's tensors (see `PER_EXPERT`).
-    """
-    for joined, parts in PER_EXPERT.get(config.model_type, {}).items():
-        if joined in name and name not in available:
-            if "{e}" not in parts[0]:
-                return (name.replace(joined, parts[0]),), None
-            experts = range(config.num_experts)
-            names = (name.replace(joined, p).format(e=e) for e in experts for p in parts)
-            return tuple(names), "experts"
-    return checkpoint_names(name, config.model_type), _join_kind(name)
-
-
-def _part_shapes(
-    config: ModelConfig, kind: str | None, shape, count: int = 1
-) -> list[tuple[int, ...]]:
-    """The shapes of the `count` checkpoint tensors that a parameter of `shape` joins as
-    `kind`."""
-    if kind == "experts":
-        per_expert = count // shape[0]
-        return [(shape[1] // per_expert, *shape[2:])] * count
-    if kind == "stacked":
-        return [tuple(shape[1:])] * shape[0]
-    if kind == "grouped":
-        d, rest = config.head_dim, tuple(shape[2:])
-        q = config.num_attention_heads * d
-        kv = config.num_key_value_heads * d
-        return [(q, *rest), (kv, *rest), (kv, *rest)]
-    return [tuple(shape)]
-
-
-def _stored_shapes(shapes, fused: bool) -> list[tuple[int, ...]]:
-    """The shapes of the checkpoint tensors that hold the parts of `shapes`: the parts', or
-    where `fused`, that of the one tensor of them all along its rows (see `FUSED`)."""
-    if not fused:
-        return shapes
-    return [(sum(shape[0] for shape in shapes), *shapes[0][1:])]
-
-
-def _fused_rows(shapes) -> list[tuple[int, int]]:
-    """The rows `(start, stop)` of each part of `shapes` in the tensor that fuses them."""
-    stops = np.cumsum([shape[0] for shape in shapes]).tolist()
-    return list(zip([0, *stops[:-1]], stops, strict=True))
-
-
-def _rows_reader(read, rows: tuple[int, int]):
-    """The reader of the part at `rows` of the tensor that `read` reads (see `_place`)."""
-    start, stop = rows
-
-    def part(index):
-        first, last, _ = index[0].indices(stop - start)
-        return read((slice(start + first, start + last), *index[1:]))
-
-    return part
-
-
-def _join(kind: str, values, shape, shapes) -> jax.Array:
-    """The parameter of `shape` from its checkpoint tensors' `values`: the tensors `"stacked"`
-    along a leading axis, or `"grouped"`, each reshaped to `[shape[0], rows, ...]` and joined
-    along its rows, or `"experts"`, each expert's tensors joined along their rows and the
-    experts stacked. A parameter of one tensor (`kind` None) is that tensor, unjoined; one
-    tensor that fuses the parts of `shapes` (see `FUSED`) is cut into them first.
-    """
-    if len(values) < len(shapes):
-        values = [values[0][start:stop] for start, stop in _fused_rows(shapes)]
-    if kind == "stacked":
-        return jnp.stack(values)
-    if kind == "experts":
-        return jnp.stack(values).reshape(shape)
-    return jnp.concatenate([v.reshape(shape[0], -1, *v.shape[1:]) for v in values], axis=1)
-
-
-def _split(kind: str | None, value, shapes) -> list:
-    """The checkpoint tensors of `shapes` that a parameter joined as `kind` holds in `value`:
-    the inverse of `_join`.
-    """
-    if kind is None:
-        return [value]
-    if kind == "stacked":
-        return [value[i] for i in range(len(shapes))]
-    if kind == "experts":
-        return list(value.reshape(len(shapes), *shapes[0]))
-    out, start = [], 0
-    for shape in shapes:
-        rows = shape[0] // value.shape[0]
-        out.append(value[:, start : start + rows].reshape(shape))
-        start += rows
-    return out
-
-
-def checkpoint_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The parameters of `model` by checkpoint tensor name, as stored (joined ones split), as
-    NumPy arrays.
-    """
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, value = _name(path), np.asarray(var.get_value())
-        names, kind = _stored_as(name, model.config)
-        parts = _split(kind, value, _part_shapes(model.config, kind, value.shape, len(names)))
-        if len(names) < len(parts):
-            parts = [np.concatenate(parts)]
-        out.update(zip(names, parts, strict=True))
-    return out

@@ -46,10 +46,10 @@ class Attention(nnx.Module):
         o_bias = config.attention_bias and config.model_type != "qwen2"
         # Queries, keys and values as one product, `qkv_proj.weight` `[kv_heads, (groups + 2) *
         # head_dim, hidden]`: each KV head's block holds the rows of its query heads, its key and
-        # its value (checkpoints' `q_proj`, `k_proj` and `v_proj`, see `jaxlm.loading.GROUPED`;
-        # `docs/performance.md`, "Queries, keys and values as one product"). On a mesh a block
-        # stays on one device: `model` splits the KV heads with their query heads, or (where it
-        # does not divide them) replicates the projection.
+        # its value (checkpoints' `q_proj`, `k_proj` and `v_proj`, see
+        # `jaxlm.loading.names.GROUPED`; `docs/performance.md`, "Queries, keys and values as one
+        # product"). On a mesh a block stays on one device: `model` splits the KV heads with
+        # their query heads, or (where it does not divide them) replicates the projection.
         self.qkv_proj = Linear(
             h,
             (config.num_kv_groups + 2) * d,

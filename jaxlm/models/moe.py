@@ -10,7 +10,7 @@ on each head of q and k; Mixtral attends over Mistral's sliding window where it 
 A layer's experts are stacked as transformers 5 holds them: `experts.gate_up_proj` `[experts,
 2 * moe_intermediate, hidden]` (each expert's gate rows, then its up rows) and
 `experts.down_proj` `[experts, hidden, moe_intermediate]`. The Hub's checkpoints, one tensor per
-expert, join into them as they load (see `jaxlm.loading.PER_EXPERT`). Whether the products
+expert, join into them as they load (see `jaxlm.loading.names.PER_EXPERT`). Whether the products
 gather the chosen experts or multiply all of them is `jaxlm.ops.expert_products`'s choice.
 """
 

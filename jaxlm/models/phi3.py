@@ -4,7 +4,7 @@ fused projections in the checkpoints.
 - The checkpoints hold the queries, keys and values as one tensor, `qkv_proj.weight` `[q + 2 *
   kv rows, hidden]`, and gate and up as one, `gate_up_proj.weight` `[2 * intermediate,
   hidden]`; the loader cuts them into the model's grouped and stacked parameters (see
-  `jaxlm.loading.FUSED`).
+  `jaxlm.loading.names.FUSED`).
 - Only the first `rotary_dim = int(head_dim * partial_rotary_factor)` features of each head
   rotate (Phi-4-mini: 96 of 128); the others pass unchanged (`jaxlm.layers.apply_rope`).
 - LongRoPE (`rope_type` `longrope`, `su` in older configs) divides each frequency by its entry
