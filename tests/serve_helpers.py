@@ -3,6 +3,7 @@ the log's records, checks of an answer, and the hostile bodies, as data."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -10,6 +11,7 @@ import time
 
 import httpx
 
+import jaxlm
 from jaxlm.serve import http
 from jaxlm.serve.protocol import MESSAGE_CHARS
 
@@ -33,6 +35,29 @@ class Running:
     def stop(self):
         self.server.should_exit = True
         self.thread.join()
+
+
+@contextlib.contextmanager
+def served_default_engine(model, tokenizer, name: str):
+    """`(Running, engine)`: the default model's engine at the sizes the serve tests share (their
+    steps come from the compilation cache after the first file), served as `name`."""
+    from jaxlm.serve import create_app
+
+    engine = jaxlm.LLMEngine(
+        model,
+        tokenizer,
+        max_num_seqs=8,
+        max_seq_len=1024,
+        page_size=16,
+        num_pages=8 * 64 + 1,
+        max_num_batched_tokens=64,
+    )
+    running = Running(create_app(engine, name))
+    try:
+        yield running, engine
+    finally:
+        running.stop()
+        engine.close()
 
 
 class Records(logging.Handler):

@@ -15,32 +15,12 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import free_port, wait_until_healthy
+from serve_helpers import free_port, served_default_engine, wait_until_healthy
 
 import jaxlm
-from jaxlm.serve import create_app
 
 MODEL = "smollm2"
-
-
-class Running:
-    """An app served by uvicorn on a free port of 127.0.0.1, in a thread of this process."""
-
-    def __init__(self, app):
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join()
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +31,8 @@ def smollm2():
 @pytest.fixture(scope="module")
 def served(smollm2):
     model, tokenizer = smollm2
-    engine = jaxlm.LLMEngine(
-        model,
-        tokenizer,
-        max_num_seqs=8,
-        max_seq_len=1024,
-        page_size=16,
-        num_pages=8 * 64 + 1,
-        max_num_batched_tokens=64,
-    )
-    running = Running(create_app(engine, MODEL))
-    yield running, engine
-    running.stop()
-    engine.close()
+    with served_default_engine(model, tokenizer, MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

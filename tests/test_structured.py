@@ -17,10 +17,9 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serve_helpers import Running, assert_openai_error, idle
+from serve_helpers import assert_openai_error, idle, served_default_engine
 
 import jaxlm
-from jaxlm.serve import create_app
 
 MODEL = "smollm2"
 
@@ -28,20 +27,8 @@ MODEL = "smollm2"
 @pytest.fixture(scope="module")
 def served():
     model, tokenizer = jaxlm.load()
-    # The sizes of `tests/test_serve.py`'s engine: its steps load from the compilation cache.
-    engine = jaxlm.LLMEngine(
-        model,
-        tokenizer,
-        max_num_seqs=8,
-        max_seq_len=1024,
-        page_size=16,
-        num_pages=8 * 64 + 1,
-        max_num_batched_tokens=64,
-    )
-    running = Running(create_app(engine, MODEL))
-    yield running, engine
-    running.stop()
-    engine.close()
+    with served_default_engine(model, tokenizer, MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
