@@ -14,7 +14,9 @@ TESTS = Path(__file__).parent
 
 
 def test_sharded_models_on_four_devices():
-    # The child's `conftest` adds the flags that compile faster.
+    # The child's `conftest` adds the flags that compile faster. It runs its files in one
+    # process (`-n 0`): the suite's two workers already take both cores, and in one process the
+    # files share the models' compiled steps and an interpreter's start.
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     result = subprocess.run(
         [
@@ -22,6 +24,8 @@ def test_sharded_models_on_four_devices():
             "-m",
             "pytest",
             "-q",
+            "-n",
+            "0",
             "-p",
             "no:cacheprovider",
             str(TESTS / "multidevice"),
