@@ -1,16 +1,17 @@
 """The jitted steps over donated scratch, shared by every plan of a model (see `jaxlm.planner`).
 
 Every step is `step(params, scratch, inputs) -> scratch (, outputs)` with `scratch` donated: XLA
-writes the caches and the decode state in place and returns the same buffers. The functions
-close over the model's graph definition and merge it with the parameters inside the trace,
-far cheaper per call than `nnx.jit` in graph mode, which also copies every variable (see
-`docs/performance.md`, "Tracing and dispatch").
+writes the KV pages and the decode state in place and returns the same buffers. The model runs
+its one cached forward, `forward_paged`, as the serving engine does; each row owns its pages.
+The functions close over the model's graph definition and merge it with the parameters inside
+the trace, far cheaper per call than `nnx.jit` in graph mode, which also copies every variable
+(see `docs/performance.md`, "Tracing and dispatch").
 
 The generation loop keeps its state in the `"decode"` part of the scratch:
-- `tokens[b, s]` is the token at cache slot `s` of row `b`. Prompts are left-padded to a shared
-  length `P`, so every row writes the same slot each step and the cache update is a single
-  `dynamic_update_slice`. Generated tokens go to slots `P, P + 1, ...`.
-- The token at slot `cache_index` has been sampled but not yet fed to the model.
+- `tokens[b, s]` is the token at slot `s` of row `b`. Prompts are left-padded to a shared length
+  `P`, so every row feeds the same slot each step; row `b`'s prompt starts at slot `start[b]`,
+  and slot `s` is its position `s - start[b]`. Generated tokens go to slots `P, P + 1, ...`.
+- The token at slot `index` has been sampled but not yet fed to the model.
 - `num_generated[b]` counts the tokens of row `b` before its first stop token; `done[b]` is set
   once a stop token is sampled or a stop string is complete.
 - `rng[b]` is row `b`'s key; the key of its `n`-th token is `fold_in(rng[b], n)`, so a row's
@@ -44,17 +45,23 @@ from jaxlm.ops import write_cache
 from jaxlm.sharding import Partitioner, mesh_of, shard_bytes
 
 DEFAULT_PREFILL_CHUNK = 512
+# The most slots of a page in `generate`'s plans: a row's pages are its own, so large pages only
+# make the gather of a row's keys and values cheaper, down to the 256 slots attention reads at
+# least (`jaxlm.ops.attend_paged`).
+PAGE_SLOTS = 256
 STOP_IDS_BUCKET = 8
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 class DecodeState(nnx.Module):
-    """The generation loop's own scratch, declared like the model's caches."""
+    """The generation loop's own scratch, declared like the model's pages."""
 
     def __init__(self):
         self.tokens = ScratchSpec(
-            ("batch", "seq"), jnp.int32, axes=("batch", None), doc="token at each cache slot"
+            ("batch", "seq"), jnp.int32, axes=("batch", None), doc="token at each slot"
         )
+        self.start = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="row's first slot")
+        self.index = ScratchSpec((), jnp.int32, doc="slot of the next token to run")
         self.rng = ScratchSpec(("batch", 2), jnp.uint32, axes=("batch", None), doc="PRNG key")
         self.done = ScratchSpec(("batch",), jnp.bool_, axes=("batch",), doc="stop token seen")
         self.num_generated = ScratchSpec(
@@ -66,18 +73,47 @@ class DecodeState(nnx.Module):
         )
 
 
+def _forward(model, scratch, ids, last):
+    """Run `ids` `[B, T]`, the tokens of slots `index ..` of every row, over the rows' pages;
+    returns the logits of column `last` and the scratch with the pages written and `index`
+    advanced. Row `b` owns pages `b * per_row ..` in order (`page_count`), and its slot `s`
+    is position `s - start[b]` (negative: padding, not written)."""
+    d = scratch["decode"]
+    b, t = ids.shape
+    num_pages = scratch["model"]["layers"][0]["self_attn"]["k_pages"].shape[0]
+    table = jnp.arange(num_pages, dtype=jnp.int32).reshape(b, num_pages // b)
+    positions = d["index"] + jnp.arange(t, dtype=jnp.int32)[None, :] - d["start"][:, None]
+    group = dict(
+        input_ids=ids,
+        positions=jnp.where(positions >= 0, positions, -1),
+        table=table,
+        last=jnp.full((b,), last, jnp.int32),
+    )
+    (logits,), cache = model.forward_paged([group], {"model": scratch["model"]})
+    decode = {**d, "index": d["index"] + t}
+    return logits, {**scratch, **cache, "decode": decode}
+
+
+def page_count(batch: int, seq: int) -> tuple[int, int]:
+    """`(num_pages, page_size)` of a plan of `batch` rows of `seq` slots: each row's slots in
+    pages of at most `PAGE_SLOTS`, as evenly as they split, and at least two pages in all: XLA
+    drops a unit dimension of one page with a bitcast between the pages' update and their
+    read, and then copies the pages every step."""
+    per_row = max(-(-seq // PAGE_SLOTS), 2 if batch == 1 else 1)
+    return batch * per_row, -(-seq // per_row)
+
+
 def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
-    """Reset the cache to the left-padded `prompt` [B, P] and run it in chunks of `chunk`."""
+    """Reset the rows to the left-padded `prompt` [B, P] and run it in chunks of `chunk`."""
     b, p = prompt.shape
-    m = scratch["model"]
-    m = {**m, "cache_index": jnp.int32(0), "cache_start": (p - lengths).astype(jnp.int32)}
-    state = {**scratch, "model": m}
+    d = {**scratch["decode"], "index": jnp.int32(0), "start": (p - lengths).astype(jnp.int32)}
+    state = {**scratch, "decode": d}
     n_chunks = p // chunk
 
     def run(i, carry):
         state, _ = carry
         ids = jax.lax.dynamic_slice(prompt, (0, i * chunk), (b, chunk))
-        logits, state = model.forward_cached(ids, state, last_only=True)
+        logits, state = _forward(model, state, ids, chunk - 1)
         return state, logits
 
     logits0 = jnp.zeros((b, model.config.vocab_size), jnp.float32)
@@ -87,12 +123,11 @@ def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
 
 
 def _sample_next(scratch, logits, params, stop):
-    """Sample the token after the cache's last slot and record it in the decode state."""
+    """Sample the token of slot `index` and record it in the decode state."""
     d = scratch["decode"]
-    m = scratch["model"]
-    index = m["cache_index"]
+    index = d["index"]
     slots = jnp.arange(d["tokens"].shape[1])
-    seen = (slots[None, :] >= m["cache_start"][:, None]) & (slots[None, :] < index)
+    seen = (slots[None, :] >= d["start"][:, None]) & (slots[None, :] < index)
     penalty = params["repetition_penalty"]
     # The penalty scatters over the whole vocabulary; most requests do not use it.
     logits = jax.lax.cond(
@@ -147,15 +182,14 @@ def decode_loop(model, scratch, params, stop, limit):
     """Decode until every row is done or `limit` tokens have been sampled in all."""
 
     def generated(s):
-        return s["model"]["cache_index"] - s["decode"]["prompt_end"] + 1
+        return s["decode"]["index"] - s["decode"]["prompt_end"] + 1
 
     def cond(s):
         return (generated(s) < limit) & ~jnp.all(s["decode"]["done"])
 
     def body(s):
-        index = s["model"]["cache_index"]
-        token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], index, 1, axis=1)
-        logits, s = model.forward_cached(token, s, last_only=True)
+        token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], s["decode"]["index"], 1, 1)
+        logits, s = _forward(model, s, token, 0)
         return _sample_next(s, logits, params, stop)
 
     return jax.lax.while_loop(cond, body, scratch)
@@ -170,7 +204,10 @@ class Engine:
         self.dtype = model.dtype
         self.decode_state = DecodeState()
         mesh = mesh_of(self.params)
-        self.partitioner = Partitioner(mesh, self.config) if mesh is not None else None
+        # Each row owns its pages, so the pages split over `data` with the rows.
+        self.partitioner = (
+            Partitioner(mesh, self.config, pages="data") if mesh is not None else None
+        )
         graphdef = self.graphdef
         pin = self._pin_scratch()
 
@@ -220,9 +257,7 @@ class Engine:
 
     def declarations(self, model_module=None):
         model = nnx.merge(self.graphdef, self.params) if model_module is None else model_module
-        # The paged KV cache is the serving engine's (`jaxlm.batching.plan`).
-        own = [(path, spec) for path, spec in declarations(model) if not spec.paged]
-        return [*own, *declarations(self.decode_state, prefix=("decode",))]
+        return [*declarations(model), *declarations(self.decode_state, prefix=("decode",))]
 
     def abstract_inputs(self, batch: int, prompt_len: int):
         i32, f32 = jnp.int32, jnp.float32
@@ -249,7 +284,7 @@ def _prefill_step(model, scratch, prompt, lengths):
 
 
 def _decode_step(model, scratch, tokens):
-    logits, scratch = model.forward_cached(tokens[:, None], scratch, last_only=True)
+    logits, scratch = _forward(model, scratch, tokens[:, None], 0)
     return scratch, logits
 
 

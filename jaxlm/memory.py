@@ -1,7 +1,8 @@
 """The static memory plan: declared scratch, its layout, and the whole bill before allocation.
 
 Modules declare the scratch they need in `__init__` as `ScratchSpec`s: shapes that may name the
-plan dimensions `"batch"` and `"seq"`, a dtype, and logical sharding axes. A spec is a static
+plan dimensions (`"batch"`, `"seq"`, `"num_pages"`, `"page_size"`), a dtype, and logical
+sharding axes. A spec is a static
 attribute of the module, so it allocates nothing and an abstract model (`nnx.eval_shape`)
 declares exactly the same scratch. `jaxlm.plan` collects the specs, binds the dimensions, lays
 the slots out, compiles the step functions and reads XLA's memory analysis, so the whole bill
@@ -33,9 +34,6 @@ from jax.sharding import NamedSharding
 from jaxlm.errors import PlanError
 
 PLAN_DIMS = ("batch", "seq", "num_pages", "page_size")
-# The dimensions of the serving engine's paged KV cache (`jaxlm.batching.plan`); slots over them
-# belong to its plan, the others to `generate`'s.
-PAGED_DIMS = frozenset({"num_pages", "page_size"})
 # XLA:CPU aligns every buffer to 64 bytes; each slot is its own buffer, so offsets are all 0.
 ALIGNMENT = 64
 
@@ -68,17 +66,6 @@ class ScratchSpec:
             for d in entry if isinstance(entry, tuple) else (entry,):
                 if isinstance(d, str) and d not in PLAN_DIMS:
                     raise ValueError(f"unknown plan dimension {d!r}; use one of {PLAN_DIMS}")
-
-    @property
-    def dims(self) -> frozenset[str]:
-        """The plan dimensions the shape names."""
-        entries = (e if isinstance(e, tuple) else (e,) for e in self.shape)
-        return frozenset(d for e in entries for d in e if isinstance(d, str))
-
-    @property
-    def paged(self) -> bool:
-        """Whether the slot is the engine's paged KV cache (its shape names `PAGED_DIMS`)."""
-        return bool(self.dims & PAGED_DIMS)
 
     def replace(self, **changes) -> ScratchSpec:
         return dataclasses.replace(self, **changes)

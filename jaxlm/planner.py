@@ -13,7 +13,14 @@ from flax import nnx
 
 from jaxlm.batching.plan import plan_engine
 from jaxlm.bill import Bill
-from jaxlm.engine import DEFAULT_PREFILL_CHUNK, Engine, compile_steps, engine_of, weights_bytes
+from jaxlm.engine import (
+    DEFAULT_PREFILL_CHUNK,
+    Engine,
+    compile_steps,
+    engine_of,
+    page_count,
+    weights_bytes,
+)
 from jaxlm.errors import PlanError
 from jaxlm.memory import (
     ExecutableMemory,
@@ -85,8 +92,7 @@ class Plan(Bill):
 
     @classmethod
     def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps) -> Plan:
-        dims = {"batch": max_batch, "seq": max_seq_len}
-        layout = Layout.build(engine.declarations(model), dims, storage_dtype, engine.partitioner)
+        layout = _layout(engine, engine.declarations(model), max_batch, max_seq_len)
         before = _settled_resident_bytes()
         compiled = compile_steps(engine, layout, chunk, steps)
         plan = cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
@@ -110,7 +116,7 @@ class Plan(Bill):
 
     @property
     def kv_cache_bytes(self) -> int:
-        names = ("k_cache", "v_cache")
+        names = ("k_pages", "v_pages")
         return sum(s.device_nbytes for s in self.layout.slots if s.name in names)
 
     def over_budget_message(self, budget: int, fitting: Plan | None) -> str:
@@ -228,7 +234,7 @@ class Plan(Bill):
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         self._check_batch(tokens.shape[0])
         self.layout.check(scratch)
-        index = int(scratch["model"]["cache_index"])
+        index = int(scratch["decode"]["index"])
         if index >= self.max_seq_len:
             raise PlanError(f"the cache is full: `max_seq_len={self.max_seq_len}` tokens")
         scratch, logits = self.engine.decode_step(
@@ -349,9 +355,7 @@ def plan(
 
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
-        dims = {"batch": max_batch, "seq": seq}
-        layout = Layout.build(decls, dims, storage_dtype, engine.partitioner)
-        return weights_bytes(model) + layout.device_nbytes
+        return weights_bytes(model) + _layout(engine, decls, max_batch, seq).device_nbytes
 
     decls = engine.declarations(model)
     if engine.partitioner is not None:
@@ -367,6 +371,13 @@ def plan(
     if best is None:
         raise PlanError(make(PAGE).over_budget_message(limit, None))
     return best
+
+
+def _layout(engine: Engine, decls, batch: int, seq: int) -> Layout:
+    """The slots of a plan of `batch` rows of `seq` tokens, each row in pages of its own."""
+    num_pages, page_size = page_count(batch, seq)
+    dims = {"batch": batch, "seq": seq, "num_pages": num_pages, "page_size": page_size}
+    return Layout.build(decls, dims, storage_dtype, engine.partitioner)
 
 
 def _fit(make, floor, limit: int, config) -> object | None:

@@ -10,7 +10,8 @@ axes jaxlm uses:
   their rows in the row-parallel o and down projections (XLA adds the reduction), and the
   vocabulary of the embedding and LM head.
 
-The logical axes are `"heads"`, `"kv_heads"`, `"mlp"`, `"vocab"`, `"experts"` and `"batch"`.
+The logical axes are `"heads"`, `"kv_heads"`, `"mlp"`, `"vocab"`, `"experts"`, `"batch"` and
+`"pages"` (the KV cache's pages).
 The `model` axis must divide the attention heads and the MLP width, or `shard` refuses the
 mesh. A grouped-query model with fewer KV heads than `model` devices (or a count the axis does
 not divide) replicates its KV heads: each device keeps every KV head and, as they share one
@@ -71,7 +72,10 @@ def make_mesh(mesh: Mesh | Sequence[int]) -> Mesh:
 class Partitioner:
     """Maps the logical axes of a model's arrays onto a mesh, checking that they divide."""
 
-    def __init__(self, mesh: Mesh, config: ModelConfig):
+    def __init__(self, mesh: Mesh, config: ModelConfig, pages: str | None = None):
+        """`pages` is the mesh axis the KV cache's pages split over: `"data"` where each batch
+        row owns its pages (`generate`'s plans), None where any sequence may take any page (the
+        serving engine's pool)."""
         self.mesh = mesh
         self.data = mesh.shape.get("data", 1)
         self.model = mesh.shape.get("model", 1)
@@ -93,6 +97,7 @@ class Partitioner:
             "vocab": "model" if c.vocab_size % m == 0 else None,
             # Expert parallelism: each device holds whole experts.
             "experts": "model" if c.num_experts and c.num_experts % m == 0 else None,
+            "pages": pages,
         }
         # A mesh may have only one of the two axes.
         self.rules = {k: v if v in mesh.axis_names else None for k, v in rules.items()}

@@ -339,7 +339,7 @@ def test_the_loop_ends_at_a_stop_string(chat_model):
     text = tok.decode(out)
     assert result.texts[0] == text[: text.index(stop)] and result.finish_reasons == ["stop"]
     scratch = jaxlm.plans_of(model)[0]._pool[0]
-    sampled = int(scratch["model"]["cache_index"]) - int(scratch["decode"]["prompt_end"]) + 1
+    sampled = int(scratch["decode"]["index"]) - int(scratch["decode"]["prompt_end"]) + 1
     assert until < 64 and sampled == until
 
 

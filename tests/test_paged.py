@@ -29,9 +29,8 @@ SCHEDULE = [[5, 1, 8], [8, 5, 1], [0, 1, 8]]
 
 def paged_cache(model) -> dict:
     # The pages the attention layers declare, laid out as an engine's plan lays them out.
-    decls = [(path, spec) for path, spec in declarations(model) if spec.paged]
     dims = {"num_pages": NUM_PAGES, "page_size": PAGE_SIZE}
-    return Layout.build(decls, dims, ops.storage_dtype).allocate()
+    return Layout.build(list(declarations(model)), dims, ops.storage_dtype).allocate()
 
 
 def assert_paged_rows_equal_each_sequence_alone(model, hf):

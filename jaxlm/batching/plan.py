@@ -120,7 +120,7 @@ def plan_engine(
     graphdef, state = nnx.split(model)
     mesh = mesh_of(state)
     partitioner = Partitioner(mesh, config) if mesh is not None else None
-    decls = [(path, spec) for path, spec in declarations(model) if spec.paged]
+    decls = list(declarations(model))
 
     def layout(pages: int) -> Layout:
         dims = {"num_pages": pages, "page_size": page_size}

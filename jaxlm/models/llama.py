@@ -9,10 +9,10 @@ q/k/v (Qwen2), RMSNorm on q and k per head (Qwen3), a sliding attention window (
 
 The model runs in two ways:
 - `model(input_ids, positions, attention_mask)`: a full causal forward, no cache.
-- `model.forward_cached(input_ids, scratch)`: a chunk of tokens against the KV cache held in
-  `scratch`, the declared state the memory planner allocates (see `jaxlm.memory`). Each chunk is
-  written into the cache first and attention then reads the updated cache, the order in which
-  XLA keeps a donated cache in place.
+- `model.forward_paged(groups, cache)`: groups of rows of tokens against the paged KV cache,
+  the declared pages the memory planner allocates (see `jaxlm.memory`); `generate` and the
+  serving engine both run it. Each step's keys and values are written into the pages first and
+  attention then reads the updated pages, the order in which XLA keeps donated pages in place.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from jaxlm.layers import (
     rope_cos_sin,
     shapes_only,
 )
-from jaxlm.memory import ScratchSpec
 
 
 class Attention(nnx.Module):
@@ -61,9 +60,7 @@ class Attention(nnx.Module):
         )
         self.o_proj = Linear(nh * d, h, bias=o_bias, dtype=dtype, rngs=rngs, axes=("heads", None))
         self._add_qk_norms(config, dtype)
-        # The KV cache, declared here and allocated by the planner, in `jaxlm.ops`'s layouts:
-        # contiguous for `generate`'s plan, in pages for the serving engine's.
-        self.k_cache, self.v_cache = ops.kv_cache_specs(nkv, d, dtype)
+        # The KV cache's pages, declared here and allocated by the planner.
         self.k_pages, self.v_pages = ops.paged_kv_specs(nkv, d, dtype)
 
     def _add_qk_norms(self, config: ModelConfig, dtype) -> None:
@@ -93,21 +90,13 @@ class Attention(nnx.Module):
         q, k = self._norm_qk(q, k)
         # Keys and values are rounded to the cache dtype on both paths, so a cached forward
         # equals a full one in bfloat16 too.
-        dtype = self.k_cache.dtype
+        dtype = self.k_pages.dtype
         k, v = ops.to_cache_layout(apply_rope(k, cos, sin).astype(dtype), v.astype(dtype))
         return apply_rope(q, cos, sin), k, v
 
     def __call__(self, x, cos, sin, mask):
         out = ops.attend(*self._project(x, cos, sin), mask, **self._attend_options())
         return self.o_proj(out)
-
-    def forward_cached(self, x, cos, sin, mask, index, scratch):
-        q, k, v = self._project(x, cos, sin)
-        cache = ops.write_kv(scratch, k, v, index)
-        end = index + x.shape[-1]
-        k, v = cache["k_cache"], cache["v_cache"]
-        out = ops.attend_cached(q, k, v, mask, end, **self._attend_options())
-        return self.o_proj(out), cache
 
     def forward_paged(self, groups, cache):
         # Each group: (x, cos, sin, mask, slots, table, end). Their keys and values are written
@@ -152,12 +141,6 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, mask):
         h = self.self_attn(self._attention_input(x), cos, sin, mask)
         return self._feed_forward(x + self._attention_output(h))
-
-    def forward_cached(self, x, cos, sin, mask, index, scratch):
-        h, attn = self.self_attn.forward_cached(
-            self._attention_input(x), cos, sin, mask, index, scratch["self_attn"]
-        )
-        return self._feed_forward(x + self._attention_output(h)), {"self_attn": attn}
 
     def forward_paged(self, xs, groups, cache):
         # `xs`: each group's activations; `groups`: each group's (cos, sin, mask, slots, table,
@@ -204,10 +187,6 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, offset=self.norm_offset
         )
-        # Where each row of the cache starts (prompts are left-aligned to a shared write slot)
-        # and the next slot to write.
-        self.cache_start = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="first slot")
-        self.cache_index = ScratchSpec((), jnp.int32, doc="next slot to write")
 
     def _embed(self, input_ids):
         return self.embed_tokens(input_ids)
@@ -262,40 +241,18 @@ class LlamaModel(nnx.Module):
             jnp.maximum(positions, 0),
         )
 
-    def forward_cached(self, input_ids, scratch):
-        b, t = input_ids.shape
-        index, start = scratch["cache_index"], scratch["cache_start"]
-        seq = scratch["layers"][0]["self_attn"]["v_cache"].shape[1]
-        q_slots = index + jnp.arange(t, dtype=jnp.int32)
-        positions = q_slots[None, :] - start[:, None]  # [B, T]
-        k_slots = jnp.arange(seq, dtype=jnp.int32)
-        inputs = self._layer_inputs(
-            jnp.broadcast_to(q_slots, (b, t)),
-            jnp.broadcast_to(k_slots, (b, seq)),
-            k_slots[None, :] >= start[:, None],
-            lambda c: self._rope_once(c, positions),
-        )
-        x, layers = self._embed(input_ids), {}
-        for i, layer in enumerate(self.layers):
-            graphdef, state = nnx.split(layer)
-            x, layers[i] = _layer(
-                "forward_cached", graphdef, state, x, *inputs[i], index, scratch["layers"][i]
-            )
-        new = {"cache_start": start, "cache_index": index + t, "layers": layers}
-        return self.norm(x), new
-
     def forward_paged(self, groups, cache):
         """Groups of rows of tokens over a paged cache; each group is `(input_ids [R, C],
         positions [R, C] (-1: padding), table [R, pages_per_seq])`. Returns each group's final
         hidden states `[hidden, R, C]` and the updated pages."""
-        size = cache["layers"][0]["self_attn"]["k_pages"].shape[-1]
+        num_pages, *_, size = cache["layers"][0]["self_attn"]["k_pages"].shape
         per_layer = [[] for _ in self.layers]
         for _, positions, table in groups:
             rows, per_seq = table.shape
             at = jnp.maximum(positions, 0)
             page = jnp.take_along_axis(table, at // size, axis=1)
-            # Padding writes to the padding page (`jaxlm.batching.pages.PADDING_PAGE`).
-            slots = jnp.where(positions >= 0, page * size + at % size, 0)
+            # Padding goes past the last page, where nothing is written.
+            slots = jnp.where(positions >= 0, page * size + at % size, num_pages * size)
             length = per_seq * size
             k_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
             end = jnp.max(positions) + 1
@@ -378,15 +335,6 @@ class LlamaForCausalLM(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
         positions = jnp.asarray(positions, jnp.int32)
         return self._logits(self.model(input_ids, positions, attention_mask))
-
-    def forward_cached(self, input_ids, scratch, last_only: bool = False):
-        """Run `input_ids` `[batch, t]` against the cache in `scratch`; returns `(logits, scratch)`.
-
-        The tokens are written at the cache's next slot for every row; with `last_only`, only
-        the logits of the last position are computed (`[batch, vocab]`).
-        """
-        x, new = self.model.forward_cached(input_ids, scratch["model"])
-        return self._logits(x[..., -1] if last_only else x), {**scratch, "model": new}
 
     def forward_paged(self, groups, cache):
         """Logits of groups of rows of tokens over a paged KV cache, and the updated cache.

@@ -1,6 +1,6 @@
 """The products and cache accesses whose best lowering depends on the backend.
 
-The model and the layers say what to compute (`matmul`, `attend_cached`, `write_cache`, ...);
+The model and the layers say what to compute (`matmul`, `attend_paged`, `write_paged`, ...);
 this package decides how, and is the only place that asks which backend runs it: products
 here, the KV cache and attention in `jaxlm.ops.attention`. Each variant
 names its backend and the reason in a sentence; the measurements behind them are in
@@ -25,16 +25,13 @@ from jaxlm import kernels
 from jaxlm.kernels import int4
 from jaxlm.ops.attention import (  # noqa: F401 (the cache and attention, re-exported)
     attend,
-    attend_cached,
     attend_paged,
     gather_pages,
-    kv_cache_specs,
     paged_kv_specs,
     read_cache,
     storage_dtype,
     to_cache_layout,
     write_cache,
-    write_kv,
     write_paged,
 )
 from jaxlm.ops.backend import platform

@@ -1,7 +1,7 @@
-"""The KV cache's layouts, reads and writes, and attention over it (see `jaxlm.ops`).
+"""The paged KV cache: its layout, reads and writes, and attention over it (see `jaxlm.ops`).
 
-Contiguous caches (`kv_cache_specs`, `generate`'s plans) and pages (`paged_kv_specs`, the
-serving engine's) are read in the same layouts, so `attend` serves both.
+Every cached forward, `generate`'s and the serving engine's, writes its keys and values to
+pages (`paged_kv_specs`) and reads a row's pages back in the layouts `attend` takes.
 """
 
 from __future__ import annotations
@@ -55,30 +55,10 @@ def read_cache(buf: jax.Array) -> jax.Array:
     return buf
 
 
-def kv_cache_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
-    """The declared K and V caches of one attention layer.
-
-    Keys as `[batch * kv_heads, head_dim, seq]` and values as `[batch * kv_heads, seq,
-    head_dim]`: the layouts in which both attention products are plain batched matmuls.
-    Folding the batch into the heads keeps a batch of one from being a unit dimension that XLA
-    drops with a bitcast between the cache update and the product, which made XLA:CPU copy each
-    cache twice per step (see `docs/performance.md`, "KV cache layout").
-
-    On a mesh, the folded dimension splits over `data` x `model`: device (i, j) holds the
-    (i * model + j)-th block of (row, KV head) pairs, which are the rows of data shard i and the
-    heads of model shard j when `model` is 1 or each data shard holds one row. Attention runs
-    where the cache lies either way; only the new tokens' keys, values and queries move.
-    """
-    axes = (("batch", "kv_heads"), None, None)
-    rows = ("batch", num_kv_heads)
-    return (
-        ScratchSpec((rows, head_dim, "seq"), dtype, axes=axes, doc="attention keys"),
-        ScratchSpec((rows, "seq", head_dim), dtype, axes=axes, doc="attention values"),
-    )
-
-
 def to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values `[kv_heads, head_dim, B, T]` in the layouts of `kv_cache_specs`."""
+    """Keys and values `[kv_heads, head_dim, B, T]` as `attend` takes them: keys `[B *
+    kv_heads, head_dim, T]` and values `[B * kv_heads, T, head_dim]`, where both attention
+    products are plain batched matmuls (see `docs/performance.md`, "KV cache layout")."""
     nkv, d, b, t = k.shape
     return (
         k.transpose(2, 0, 1, 3).reshape(b * nkv, d, t),
@@ -86,21 +66,13 @@ def to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     )
 
 
-def write_kv(scratch: dict, k: jax.Array, v: jax.Array, index: jax.Array) -> dict:
-    """`scratch`'s `k_cache` and `v_cache` with `k` and `v` (cache layouts) written at slot
-    `index`."""
-    return {
-        "k_cache": write_cache(scratch["k_cache"], k, index, axis=2),
-        "v_cache": write_cache(scratch["v_cache"], v, index, axis=1),
-    }
-
-
 def paged_kv_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
     """The declared paged K and V caches of one attention layer: keys `[num_pages, kv_heads,
     head_dim, page_size]` and values `[num_pages, kv_heads, page_size, head_dim]`, so that a
-    sequence's pages gathered in order are `kv_cache_specs`' layouts, and attention reads them
-    as it reads a contiguous cache. On a mesh the pages split by KV head over `model`."""
-    axes = (None, "kv_heads", None, None)
+    sequence's pages gathered in order are in `to_cache_layout`'s layouts. On a mesh the pages
+    split by KV head over `model`, and where rows own their pages, with their rows over `data`
+    (`jaxlm.sharding.Partitioner`)."""
+    axes = ("pages", "kv_heads", None, None)
     return (
         ScratchSpec(
             ("num_pages", num_kv_heads, head_dim, "page_size"), dtype, axes=axes, doc="key pages"
@@ -117,7 +89,8 @@ def write_paged(cache: dict, groups) -> dict:
 
     A group is `(k, v, slots)`: the keys `[R * kv_heads, D, C]` and values `[R * kv_heads, C,
     D]` of `R` rows of `C` tokens (the cache layouts) and their slots `[R, C]`, each `page *
-    page_size + offset`. Two updates of a page array in one step made XLA copy it whole."""
+    page_size + offset`; a slot past the last page (padding) is not written. Two updates of a
+    page array in one step made XLA copy it whole."""
     k_pages, v_pages = cache["k_pages"], cache["v_pages"]
     kv, d, size = k_pages.shape[1:]
     ks, vs, slots = [], [], []
@@ -129,8 +102,8 @@ def write_paged(cache: dict, groups) -> dict:
     k, v, slots = (jnp.concatenate(a) for a in (ks, vs, slots))  # [N, kv, D], [N]
     page, offset = slots // size, slots % size
     return {
-        "k_pages": k_pages.at[page, :, :, offset].set(_as_stored(k, k_pages)),
-        "v_pages": v_pages.at[page, :, offset, :].set(_as_stored(v, v_pages)),
+        "k_pages": k_pages.at[page, :, :, offset].set(_as_stored(k, k_pages), mode="drop"),
+        "v_pages": v_pages.at[page, :, offset, :].set(_as_stored(v, v_pages), mode="drop"),
     }
 
 
@@ -188,7 +161,7 @@ def attend(
     return out.transpose(1, 2, 4, 0, 3).reshape(heads * d, b, t)
 
 
-# The smallest part of the KV cache that `attend_cached` reads.
+# The fewest slots of a row's pages that `attend_paged` reads.
 FILLED_BUCKET = 256
 
 
@@ -207,38 +180,15 @@ def _smallest_that_holds(end, sizes, unit, branch, *operands):
     return jax.lax.switch(index, branches, *operands)
 
 
-def attend_cached(q, k_cache, v_cache, mask, end, **options):
-    """`attend` over the caches as stored, reading only their first slots: the smallest of
-    their sizes (256 slots doubling up to the whole cache, and a chunk of several tokens' own
-    length) that holds the `end` slots in use. `options` are `attend`'s `scale` and `softcap`.
-
-    Slots from `end` on are masked for every query, so leaving them out changes nothing but
-    the work: a plan sized for long requests attends over short ones about as fast as a small
-    plan (see `docs/performance.md`, "Attention over the filled slots").
-    """
-    seq, t = k_cache.shape[-1], q.shape[-1]
-    sizes = _smaller_buckets(seq, FILLED_BUCKET)
-    if 1 < t < (sizes or [seq])[0]:
-        # The first chunk of a prompt fills only its own slots.
-        sizes.insert(0, t)
-
-    def branch(size, q, k, v, mask):
-        # The caches enter in their storage dtype and are read inside the branch: bfloat16
-        # caches stored as uint16 and read before it made XLA copy each cache twice per step.
-        k, v = read_cache(k[..., :size]), read_cache(v[:, :size])
-        return attend(q, k, v, mask[..., :size], **options)
-
-    return _smallest_that_holds(end, [*sizes, seq], 1, branch, q, k_cache, v_cache, mask)
-
-
 def attend_paged(q, cache, table, mask, end, **options):
     """`attend` over the pages that `table` `[R, pages_per_seq]` lists, reading only the first
     of them: the fewest (those holding 256 slots, doubling up to the whole row) that hold the
-    `end` slots in use, as `attend_cached` reads a contiguous cache.
+    `end` slots in use. `options` are `attend`'s `scale` and `softcap`.
 
-    A plan sized for long requests (`jaxlm serve` allows 4096 tokens) would otherwise gather
-    every page of every row at each step (see `docs/performance.md`, "Attention over the
-    filled slots").
+    Slots from `end` on are masked for every query, so leaving them out changes nothing but the
+    work: a plan sized for long requests (`jaxlm serve` allows 4096 tokens) would otherwise
+    gather every page of every row at each step (see `docs/performance.md`, "Attention over
+    the filled slots").
     """
     per_seq, size = table.shape[1], cache["k_pages"].shape[-1]
     counts = [*_smaller_buckets(per_seq, -(-FILLED_BUCKET // size)), per_seq]

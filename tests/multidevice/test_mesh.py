@@ -124,10 +124,11 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
         for key in slot.path:
             leaf = leaf[key]
         assert leaf.sharding.is_equivalent_to(slot.sharding, len(slot.shape)), slot.path
-    # Keys of layer 0: [2 rows * 2 KV heads, head_dim 8, 32 slots] float32 = 4096 bytes, one
-    # (row, head) block of 1024 bytes per device.
-    k = scratch["model"]["layers"][0]["self_attn"]["k_cache"]
-    assert k.shape == (4, 8, 32) and {s.data.shape for s in k.addressable_shards} == {(1, 8, 32)}
+    # Keys of layer 0: [2 pages (one per row), 2 KV heads, head_dim 8, 32 slots] float32 = 4096
+    # bytes, one (row, head) block of 1024 bytes per device.
+    k = scratch["model"]["layers"][0]["self_attn"]["k_pages"]
+    assert k.shape == (2, 2, 8, 32)
+    assert {s.data.shape for s in k.addressable_shards} == {(1, 1, 8, 32)}
     assert plan.kv_cache_bytes == 2 * 2 * 1024
     assert set(_by_device(scratch).values()) == {plan.scratch_bytes}
     assert set(_by_device(jax.tree.leaves(plan.engine.params)).values()) == {plan.weights_bytes}
@@ -145,8 +146,8 @@ def test_too_few_kv_heads_are_replicated(saved):
     assert attn.qkv_proj.weight[...].sharding.spec == P(None, None, None)
     assert attn.o_proj.weight[...].sharding.spec == P(None, "model")
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=32, steps=("decode",))
-    k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_cache"]
-    assert {s.data.shape for s in k.addressable_shards} == {(4, 8, 32)}
+    k = plan.allocate()["model"]["layers"][0]["self_attn"]["k_pages"]
+    assert {s.data.shape for s in k.addressable_shards} == {(2, 2, 8, 32)}
     assert "KV heads replicated over `model`" in str(plan)
 
 
