@@ -81,6 +81,11 @@ def run(scheduler, requests, arrivals, stop_token=None, step=None, max_steps=10_
         prefills = [c for c in batch.chunks if c.start + 1 < len(c.seq.tokens)]
         limit = scheduler.max_prefill_chunks
         assert limit is None or len(prefills) <= limit
+        several = [len(c.tokens) for c in batch.chunks if len(c.tokens) > 1]
+        if scheduler.chunk_shapes and several:
+            # The step's chunks fit one of its shapes.
+            width = min(w for w in scheduler.chunk_shapes if w >= max(several))
+            assert len(several) <= scheduler.chunk_shapes[width]
         assert len({c.seq.id for c in batch.chunks}) == len(batch.chunks)
         for chunk in batch.chunks:
             if chunk.seq.id not in started:
@@ -116,6 +121,7 @@ requests_strategy = st.lists(
     prefix_cache=st.booleans(),
     stop_token=st.sampled_from([None, 0, 7]),
     max_prefill_chunks=st.sampled_from([None, 1, 2]),
+    chunk_shapes=st.sampled_from([None, {2: 4, 4: 2, 8: 1}, {3: 3, 5: 1}]),
 )
 def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
     requests,
@@ -127,6 +133,7 @@ def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
     prefix_cache,
     stop_token,
     max_prefill_chunks,
+    chunk_shapes,
 ):
     # Small token alphabets make prompts share prefixes; few pages make sequences preempt.
     pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
@@ -135,6 +142,7 @@ def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_seqs + extra_tokens,
         max_prefill_chunks=max_prefill_chunks,
+        chunk_shapes=chunk_shapes,
     )
     fits = [(p, n) for p, n in requests if len(p) + n - 1 <= pool.num_usable * page_size]
     if not fits:
@@ -175,6 +183,36 @@ def test_a_shared_prefix_is_computed_once():
         assert second.num_cached == (12 if prefix_cache else 0)
         assert step.prefill_tokens == computed
         assert second.output == solo([*prefix, 3, 4], 3)
+
+
+def test_short_prompts_start_together_in_chunks_of_one_width():
+    pool = PagePool(num_pages=64, page_size=4)
+    shapes = {4: 4, 8: 2, 16: 1}
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=16, chunk_shapes=shapes)
+    seqs = [scheduler.submit([i + 1] * (2 + i % 3), 1) for i in range(6)]
+    long = scheduler.submit(list(range(1, 30)), 1)
+    batch = scheduler.schedule()
+    # As many prompts as the width of the first one's chunk holds, then the rest.
+    assert [c.seq for c in batch.chunks] == seqs[:4]
+    scheduler.update(batch, {c.seq.id: 0 for c in batch.chunks})
+    batch = scheduler.schedule()
+    # The long prompt joins cut to the width of the step's first chunk.
+    assert [(c.seq, len(c.tokens)) for c in batch.chunks] == [(seqs[4], 3), (seqs[5], 4), (long, 4)]
+    seqs, _, _ = run(scheduler, [([5, 6, 7], 2)] * 9, [0] * 9)
+    assert all(s.output == solo([5, 6, 7], 2) for s in seqs.values())
+
+
+def test_a_prompt_waits_a_step_for_the_page_another_chunk_computes():
+    # The choices of one request share their prompt: the first computes its pages, and the
+    # others take them from the cache a step later instead of computing them too.
+    prompt = list(range(1, 14))  # three full pages and one token, left to a decode step
+    for prefix_cache, computed in ((True, 13), (False, 4 * 13)):
+        pool = PagePool(num_pages=64, page_size=4, prefix_cache=prefix_cache)
+        shapes = {16: 4}
+        scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, chunk_shapes=shapes)
+        seqs, _, step = run(scheduler, [(prompt, 2)] * 4, [0] * 4)
+        assert step.prefill_tokens == computed
+        assert all(s.output == solo(prompt, 2) for s in seqs.values())
 
 
 def test_admission_is_first_come_first_served():

@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
-from jaxlm.batching.step import HostPack
+from jaxlm.batching.step import HostPack, Shape
 from jaxlm.errors import PlanError
 
 
@@ -80,6 +80,27 @@ def test_requests_from_threads_equal_their_solo_runs_and_compile_nothing(tiny):
         assert covered == prompts if stats.preemptions == 0 else covered >= prompts
         e.pool.clear_cache()
         assert e.pool.num_available == e.pool.num_usable
+
+        # Short prompts queued while a step runs start together: two chunks of 16 in one step.
+        short = [(r, want) for r, want in zip(reqs, expected, strict=True) if len(r[0]) <= 16]
+        shapes, gate, compiled = [], threading.Event(), dict(e.compiled)
+
+        def held(shape):
+            def call(*args):
+                shapes.append(shape)
+                gate.wait(timeout=60)
+                return compiled[shape](*args)
+
+            return call
+
+        e.compiled = {shape: held(shape) for shape in compiled}
+        handles = [e.submit(short[0][0][0], max_new_tokens=short[0][0][1], stop_token_ids=[])]
+        while not shapes:
+            time.sleep(0.01)
+        handles += [e.submit(p, max_new_tokens=n, stop_token_ids=[]) for (p, n), _ in short[1:]]
+        gate.set()
+        assert [h.result(timeout=300).token_ids for h in handles] == [want for _, want in short]
+        assert Shape(2, 16) in shapes
 
 
 def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny, small_buckets):
@@ -202,7 +223,9 @@ def test_an_error_before_a_call_fails_every_request(tiny):
 
 
 def test_bad_requests_and_a_budget(tiny, tiny_llama):
-    with LLMEngine(tiny, max_num_seqs=2, page_size=4, budget="64MiB") as engine:
+    with LLMEngine(
+        tiny, max_num_seqs=2, page_size=4, budget="64MiB", max_num_batched_tokens=32
+    ) as engine:
         plan = engine.plan
         assert plan.total_bytes <= 64 << 20
         # The bill is what the engine allocated (weights and pages) and XLA's temporaries, read
@@ -260,20 +283,22 @@ def test_a_host_pack_round_trips_every_dtype_through_a_jit():
 
 
 def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
-    with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=400) as engine:
+    sizes = dict(max_num_seqs=2, page_size=4, max_num_batched_tokens=64)
+    with LLMEngine(tiny, num_pages=400, **sizes) as engine:
         k_shape = engine.pages["model"]["layers"][0]["self_attn"]["k_pages"].shape
         shape = "f32[" + ",".join(map(str, k_shape)) + "]"
-        assert set(engine.compiled) == {0, 16, 32, 64, 128, 256}
+        # Decode alone, and one or two prompt chunks of each width that 64 tokens hold.
+        assert set(engine.compiled) == {(0, 0), (1, 16), (2, 16), (1, 32), (2, 32), (1, 64)}
         # Ten times the pages: XLA aliases all of them, and the temporaries stay the same, so
         # they hold no copy of the pages.
-        more = jaxlm.plan(tiny, max_num_seqs=2, page_size=4, num_pages=4000).executables
+        more = jaxlm.plan(tiny, num_pages=4000, **sizes).executables
         pages_bytes = engine.plan.scratch_bytes
-        for width, executable in engine.compiled.items():
-            memory = engine.plan.executables[width]
-            assert memory.alias >= pages_bytes, width
-            assert more[width].alias >= 10 * pages_bytes, width
-            assert more[width].temp == memory.temp, width
-            assert not re.search(rf"= {re.escape(shape)}\S* copy\(", executable.as_text()), width
+        for step, executable in engine.compiled.items():
+            memory = engine.plan.executables[step]
+            assert memory.alias >= pages_bytes, step
+            assert more[step].alias >= 10 * pages_bytes, step
+            assert more[step].temp == memory.temp, step
+            assert not re.search(rf"= {re.escape(shape)}\S* copy\(", executable.as_text()), step
         before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)]
         engine.generate([[1, 2, 3] * 10, [4, 5]], max_new_tokens=5, stop_token_ids=[])
         assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)] == before

@@ -121,7 +121,7 @@ class LLMEngine:
             max_num_batched_tokens=plan.max_num_batched_tokens,
             pages_per_seq=plan.pages_per_seq,
             max_queue=max_queue,
-            max_prefill_chunks=1,
+            chunk_shapes=self._steps.chunk_shapes,
         )
         # The one allocation of the engine's pages, from its plan.
         self.pages = plan.allocate()
@@ -164,9 +164,9 @@ class LLMEngine:
                 # Its pages for the steps not run serve the next calls.
                 batch = dataclasses.replace(batch, steps=1)
             mask = self._fill_masks(batch)
-            width, inputs = self._steps.inputs(batch, requests, logprobs, mask)
+            shape, inputs = self._steps.inputs(batch, requests, logprobs, mask)
             rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
-        self.pages, out = self.compiled[width](self._state, self.pages, inputs)
+        self.pages, out = self.compiled[shape](self._state, self.pages, inputs)
         out = np.asarray(out)
         self.calls += 1
         with self._wake:

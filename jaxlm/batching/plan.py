@@ -2,8 +2,8 @@
 bill known before anything is allocated.
 
 The attention layers declare their pages (`jaxlm.ops.paged_kv_specs`, over the plan dimensions
-`num_pages` and `page_size`); the plan binds them, compiles the engine's step for every prompt
-chunk width it will run (`jaxlm.batching.step`) and reads XLA's memory analysis of each, so
+`num_pages` and `page_size`); the plan binds them, compiles the engine's step for every shape of
+prompt chunks it will run (`jaxlm.batching.step`) and reads XLA's memory analysis of each, so
 serving never compiles and the bill holds weights, pages and XLA's temporaries. With a
 `budget`, it gives the pages what the rest of the bill leaves.
 """
@@ -31,10 +31,11 @@ class EnginePlan(Bill):
 
     Attributes: `max_num_seqs`, `max_seq_len` (the most tokens one sequence holds),
     `page_size`, `num_pages` (page 0 pads), `pages_per_seq`, `max_num_batched_tokens`,
-    `decode_steps`, `layout` (the page slots), `compiled` (the step of each prompt chunk width,
-    `0` for decode tokens alone), `executables` (XLA's memory analysis of each),
-    `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`, `total_bytes` (the peak of the
-    most demanding step, weights and pages included) and `budget`. On a mesh (`mesh` is not
+    `decode_steps`, `layout` (the page slots), `compiled` (the step of each `Shape`: prompt
+    chunks and their width, `Shape(0, 0)` for decode tokens alone), `executables` (XLA's memory
+    analysis of each), `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`,
+    `total_bytes` (the peak of the most demanding step, weights and pages included) and
+    `budget`. On a mesh (`mesh` is not
     None), the pages split by KV head over `model` and every byte count is per device.
     """
 
@@ -43,10 +44,7 @@ class EnginePlan(Bill):
         self.steps = steps
         self.layout = layout
         self.compiled = compiled
-        self.executables = {
-            w: ExecutableMemory.of(f"chunk of {w}" if w else "decode", e)
-            for w, e in compiled.items()
-        }
+        self.executables = {s: ExecutableMemory.of(str(s), e) for s, e in compiled.items()}
         self.weights_bytes = weights_bytes(model)
         self.budget = budget
         self.partitioner = partitioner

@@ -6,10 +6,15 @@ Plain Python over plain data, with no model: the step that computes the tokens r
 Each step runs, within `max_num_batched_tokens` tokens, one token of every running sequence
 that is decoding, then chunks of prompts (chunked prefill): those of sequences already
 prefilling, then new ones admitted while a slot of the `max_num_seqs` rows and pages allow, at
-most `max_prefill_chunks` of them; prompts of one token, which a step runs as decode tokens,
-are admitted beyond that limit. A sequence that needs a page when none is available preempts
-the newest running sequence, whose pages are freed and which goes back to the front of the
-queue, to be computed again from its prompt and the tokens it had generated.
+most `max_prefill_chunks` of them. With `chunk_shapes` (`{width: most chunks}`, the shapes a
+step runs), a step's chunks share one width, the first one's: later ones join cut to that width
+while their number fits, so that many short prompts start in one step. Prompts of one token,
+which a step runs as decode tokens, are admitted beyond either limit. A prompt whose next page
+another chunk of the step computes waits a step, to take it from the prefix cache.
+
+A sequence that needs a page when none is available preempts the newest running sequence,
+whose pages are freed and which goes back to the front of the queue, to be computed again from
+its prompt and the tokens it had generated.
 
 Sequences submitted in one `group` (the choices of one request) share the slots with the
 others: admission takes the waiting sequence whose group runs the fewest (first come, first
@@ -24,7 +29,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 from jaxlm.batching.pages import PagePool, page_key
 from jaxlm.errors import JaxlmError
@@ -138,6 +143,7 @@ class Scheduler:
         pages_per_seq: int | None = None,
         max_queue: int = 1024,
         max_prefill_chunks: int | None = None,
+        chunk_shapes: Mapping[int, int] | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -150,6 +156,7 @@ class Scheduler:
         self.pages_per_seq = pages_per_seq or pool.num_usable
         self.max_queue = max_queue
         self.max_prefill_chunks = max_prefill_chunks
+        self.chunk_shapes = dict(sorted(chunk_shapes.items())) if chunk_shapes else None
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self._free_slots = list(range(max_num_seqs))
@@ -226,13 +233,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._preempted.append(seq)
 
-    def _admit(self, seq: SequenceState, budget: int) -> bool:
+    def _admit(self, seq: SequenceState, budget: int, computing: set[int]) -> bool:
         """Start `seq` in a free slot with its cached prefix, if the pages of its first chunk
-        are available: a new sequence never preempts the ones that came before it."""
+        are available (a new sequence never preempts the ones that came before it) and no
+        other chunk of the step computes its next page (`computing`, their keys)."""
         cached = self.pool.match_prefix(seq.tokens, seq.keys)
         start = len(cached) * self.pool.page_size
         end = min(seq.num_tokens, start + budget)
-        if -(-end // self.pool.page_size) - len(cached) > self.pool.num_available:
+        pending = len(seq.keys) > len(cached) and seq.keys[len(cached)] in computing
+        if pending or -(-end // self.pool.page_size) - len(cached) > self.pool.num_available:
             self.pool.release(cached)
             return False
         seq.pages, seq.num_cached, seq.num_computed = cached, start, start
@@ -265,28 +274,56 @@ class Scheduler:
         decodes = len(chunks)
         budget = self.max_num_batched_tokens - decodes
         prefilling = sorted((s for s in self.running if s.prefilling), key=lambda s: s.id)
-        limit, prefills = self.max_prefill_chunks, 0
+        # The width of the step's chunks, set by its first of several tokens, and the keys of
+        # the pages its chunks fill, which a prompt admitted after them would compute again.
+        width, prefills, computing = None, 0, set()
         while budget > 0:
-            room = limit is None or prefills < limit
+            room = self._room(width, prefills)
+            cap = min(budget, room or budget)
             if prefilling and room:
                 seq = prefilling.pop(0)
                 if seq.status is not Status.RUNNING:
                     continue
-            elif (seq := self._next_waiting(room)) is not None and self._admit(seq, budget):
+            elif (seq := self._next_waiting(bool(room))) is not None and self._admit(
+                seq, cap, computing
+            ):
                 self.waiting.remove(seq)
             else:
                 break
-            end = min(seq.num_tokens, seq.num_computed + budget)
+            end = min(seq.num_tokens, seq.num_computed + cap)
             if not self._pages_for(seq, end):
                 self._preempt(seq)
                 break
             tokens = tuple(seq.tokens_between(seq.num_computed, end))
             chunks.append(Chunk(seq, seq.num_computed, tokens, end == seq.num_tokens))
             budget -= len(tokens)
-            prefills += len(tokens) > 1
+            if len(tokens) > 1:
+                prefills += 1
+                width = width or self._width(len(tokens))
+            if self.pool.prefix_cache:
+                size = self.pool.page_size
+                self._hash(seq, end // size)
+                computing.update(seq.keys[seq.num_computed // size : end // size])
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
         steps = self._steps(chunks, max_steps) if len(chunks) == decodes else 1
         return Batch(tuple(chunks), tuple(self._preempted), steps)
+
+    def _room(self, width: int | None, prefills: int) -> int:
+        """The most tokens the step's next chunk may hold, given the width of its chunks of
+        several tokens so far and their number; 0 if no chunk of several may join."""
+        if self.max_prefill_chunks is not None and prefills >= self.max_prefill_chunks:
+            return 0
+        if self.chunk_shapes is None:
+            return self.max_num_batched_tokens
+        if width is None:
+            return max(self.chunk_shapes)
+        return width if prefills < self.chunk_shapes[width] else 0
+
+    def _width(self, tokens: int) -> int | None:
+        """The width a chunk of `tokens` tokens pads to."""
+        if self.chunk_shapes is None:
+            return None
+        return next(w for w in self.chunk_shapes if w >= tokens)
 
     def _next_waiting(self, prefill: bool) -> SequenceState | None:
         """The waiting sequence to admit next, if a slot is free: the first of those whose group
@@ -372,14 +409,19 @@ class Scheduler:
         those whose keys it has not computed before (a preempted sequence keeps its keys)."""
         if not self.pool.prefix_cache:
             return
-        size = self.pool.page_size
-        while seq.published < seq.num_computed // size:
-            i = seq.published
-            if i == len(seq.keys):
-                previous = seq.keys[-1] if seq.keys else 0
-                seq.keys.append(page_key(previous, seq.tokens_between(i * size, (i + 1) * size)))
+        full = seq.num_computed // self.pool.page_size
+        self._hash(seq, full)
+        for i in range(seq.published, full):
             self.pool.publish(seq.pages[i], seq.keys[i])
-            seq.published += 1
+        seq.published = max(seq.published, full)
+
+    def _hash(self, seq: SequenceState, pages: int) -> None:
+        """Extend `seq.keys` to its first `pages` full pages: each page is hashed once, and a
+        preempted sequence keeps its keys."""
+        size = self.pool.page_size
+        for i in range(len(seq.keys), pages):
+            previous = seq.keys[-1] if seq.keys else 0
+            seq.keys.append(page_key(previous, seq.tokens_between(i * size, (i + 1) * size)))
 
     def _retire(self, seq: SequenceState, reason: str) -> None:
         self.running.remove(seq)

@@ -1,10 +1,12 @@
 """The engine's jitted steps over the paged KV cache, and what they take from the host and give
 back.
 
-A step runs one token of each of its rows and, in steps that have one, a chunk of one
-sequence's prompt padded to one of a few widths, samples the next token of every row that has
-reached its end, and returns the pages updated in place. A step of decode tokens alone (width
-0) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens it sampled.
+A step runs one token of each of its rows and, in steps that have them, chunks of prompts of
+several sequences padded to one of a few widths, as many as a power of two up to what
+`max_num_batched_tokens` holds at that width (`Shape`), samples the next token of every row
+that has reached its end, and returns the pages updated in place. A step of decode tokens alone
+(`Shape(0, 0)`) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens
+it sampled.
 
 A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
 int32 array: each array a call takes from the host or gives back makes the calling thread give
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,18 @@ TOP_LOGPROBS = 20
 # A step's output per row, packed in one int32 array: the token, its log-probability, the ids
 # of the `TOP_LOGPROBS` most likely tokens and their log-probabilities (floats as bits).
 _PACKED = 2 + 2 * TOP_LOGPROBS
+
+
+class Shape(NamedTuple):
+    """A step's shape: `chunks` prompt chunks of `width` tokens each (0 and 0: decode alone)."""
+
+    chunks: int
+    width: int
+
+    def __str__(self) -> str:
+        if not self.width:
+            return "decode"
+        return f"chunk of {self.width}" + (f" x{self.chunks}" if self.chunks > 1 else "")
 
 
 class HostPack:
@@ -76,8 +91,8 @@ class HostPack:
 
 
 class Steps:
-    """The steps of an engine of `rows` sequences, by prompt chunk width (`0`: decode tokens
-    alone): their input layouts, compiled executables, inputs and outputs."""
+    """The steps of an engine of `rows` sequences, by `Shape`: their input layouts, compiled
+    executables, inputs and outputs."""
 
     def __init__(
         self, graphdef, *, rows, pages_per_seq, vocab_size, buckets, decode_steps, pages_sharding
@@ -92,7 +107,13 @@ class Steps:
         )
         self.rows, self.pages_per_seq, self.vocab_size = rows, pages_per_seq, vocab_size
         self.buckets, self.decode_steps = buckets, decode_steps
-        self.layouts = {w: HostPack(self._spec(w)) for w in (0, *buckets)}
+        self.chunk_shapes = {w: min(rows, buckets[-1] // w) for w in buckets}
+        shapes = [Shape(0, 0)]
+        for width, most in self.chunk_shapes.items():
+            # Powers of two below the most: padding at most doubles a step's chunks.
+            counts = [1 << i for i in range((most - 1).bit_length())]
+            shapes += [Shape(k, width) for k in (*counts, most)]
+        self.layouts = {shape: HostPack(self._spec(shape)) for shape in shapes}
         self._unseen = np.zeros((rows, vocab_size), bool)
         self._uncounted = np.zeros((rows, vocab_size), np.int32)
 
@@ -102,7 +123,7 @@ class Steps:
         `llguidance` fills it."""
         return -(-self.vocab_size // 32)
 
-    def _spec(self, width: int) -> dict:
+    def _spec(self, shape: Shape) -> dict:
         sds = jax.ShapeDtypeStruct
         rows, vocab = self.rows, self.vocab_size
 
@@ -131,34 +152,35 @@ class Steps:
             mask=sds((rows, self.mask_words), jnp.int32),
             logprobs=sds((), jnp.bool_),
         )
-        if width:
-            spec["chunk"] = {**tokens(1, width), "row": sds((), jnp.int32)}
+        if shape.width:
+            spec["chunk"] = {**tokens(*shape), "rows": sds((shape.chunks,), jnp.int32)}
         else:
             spec["steps"] = sds((), jnp.int32)
             spec["stops"] = sds((rows, vocab), jnp.bool_)
         return spec
 
     def compile(self, state, pages) -> dict:
-        """Each width's step, compiled for the model's `state` and the `pages` (shapes will do);
-        it takes `(state, pages, buffer)`, donates the pages and returns `(pages, out)`."""
+        """Each `Shape`'s step, compiled for the model's `state` and the `pages` (shapes will
+        do); it takes `(state, pages, buffer)`, donates the pages and returns `(pages, out)`."""
         out = {}
-        for width, layout in self.layouts.items():
-            run = functools.partial(self._run_decode if width == 0 else self._run, layout)
+        for shape, layout in self.layouts.items():
+            run = functools.partial(self._run if shape.width else self._run_decode, layout)
             fn = jax.jit(run, donate_argnums=1)
-            out[width] = fn.lower(state, pages, layout.spec).compile()
+            out[shape] = fn.lower(state, pages, layout.spec).compile()
         return out
 
     # The steps.
 
     def _run(self, layout, state, pages, buf):
-        # One token of each row and a prompt chunk of one row, as two groups of their own
-        # widths: padding every row to the chunk's width would multiply the work of a step by
+        # One token of each row and prompt chunks of some rows, as two groups of their own
+        # widths: padding every row to the chunks' width would multiply the work of a step by
         # its rows.
         x = layout.unpack(buf)
         model = nnx.merge(self._graphdef, state)
-        row = x["chunk"].pop("row")
+        rows = x["chunk"].pop("rows")
         (logits, chunk_logits), pages = model.forward_paged([x["decode"], x["chunk"]], pages)
-        logits = logits.at[row].set(chunk_logits[0])
+        # A padding chunk's row is `rows`, out of range: its logits are dropped.
+        logits = logits.at[rows].set(chunk_logits, mode="drop")
         return self._pin(pages), _pack(_sample(logits, x, x["generated"], x["seen"]))[None]
 
     def _run_decode(self, layout, state, pages, buf):
@@ -197,7 +219,7 @@ class Steps:
         logprobs: set[int],
         mask: np.ndarray | None = None,
     ):
-        """The width of `batch`'s step and its inputs packed, given each sequence's `Request`
+        """The `Shape` of `batch`'s step and its inputs packed, given each sequence's `Request`
         by id, the ids that want log-probabilities and, where a row carries a grammar, the
         token bitmask of every row [rows, `mask_words`] (all bits set in rows without one)."""
         rows, per_seq = self.rows, self.pages_per_seq
@@ -211,7 +233,7 @@ class Steps:
             table=np.zeros((rows, per_seq), np.int32),
             last=np.zeros((rows,), np.int32),
         )
-        chunk, width = None, 0
+        prefills = []
         params = {
             n: np.zeros((rows,), _SAMPLING_DTYPES.get(n, np.float32)) for n in SAMPLING_FIELDS
         }
@@ -225,17 +247,7 @@ class Steps:
                 decode["positions"][r, 0] = c.start
                 decode["table"][r, : len(seq.pages)] = seq.pages
             else:
-                width = next(w for w in self.buckets if w >= n)
-                chunk = dict(
-                    input_ids=np.zeros((1, width), np.int32),
-                    positions=np.full((1, width), -1, np.int32),
-                    table=np.zeros((1, per_seq), np.int32),
-                    last=np.array([n - 1], np.int32),
-                    row=np.int32(r),
-                )
-                chunk["input_ids"][0, :n] = c.tokens
-                chunk["positions"][0, :n] = np.arange(c.start, c.start + n)
-                chunk["table"][0, : len(seq.pages)] = seq.pages
+                prefills.append(c)
             req = requests[seq.id]
             for name in SAMPLING_FIELDS:
                 params[name][r] = req.sampling[name][0]
@@ -261,14 +273,47 @@ class Steps:
         x["masked"] = np.bool_(mask is not None)
         x["mask"] = np.zeros((rows, self.mask_words), np.int32) if mask is None else mask
         x["logprobs"] = np.bool_(want)
-        if chunk is not None:
-            x["chunk"] = chunk
+        shape = self.shape(prefills)
+        if shape.width:
+            x["chunk"] = self._chunks(prefills, shape)
         else:
             x["steps"] = np.int32(batch.steps)
             x["stops"] = np.zeros((rows, self.vocab_size), bool)
             for c in batch.chunks:
                 x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
-        return width, self.layouts[width].pack(x)
+        return shape, self.layouts[shape].pack(x)
+
+    def shape(self, chunks) -> Shape:
+        """The smallest `Shape` that runs the prompt `chunks` (of several tokens each)."""
+        if not chunks:
+            return Shape(0, 0)
+        width = next(w for w in self.buckets if w >= max(len(c.tokens) for c in chunks))
+        fits = [s for s in self.layouts if s.width == width and s.chunks >= len(chunks)]
+        if not fits:
+            raise ValueError(
+                f"{len(chunks)} prompt chunks of up to {width} tokens in one step: at most "
+                f"{self.chunk_shapes[width]} at that width"
+            )
+        return min(fits)
+
+    def _chunks(self, chunks, shape: Shape) -> dict:
+        """The prompt `chunks` as the rows of a group of `shape`, padded to its width; padding
+        rows sample into row `rows`, which does not exist."""
+        k, width = shape
+        out = dict(
+            input_ids=np.zeros((k, width), np.int32),
+            positions=np.full((k, width), -1, np.int32),
+            table=np.zeros((k, self.pages_per_seq), np.int32),
+            last=np.zeros((k,), np.int32),
+            rows=np.full((k,), self.rows, np.int32),
+        )
+        for i, c in enumerate(chunks):
+            n, pages = len(c.tokens), c.seq.pages
+            out["input_ids"][i, :n] = c.tokens
+            out["positions"][i, :n] = np.arange(c.start, c.start + n)
+            out["table"][i, : len(pages)] = pages
+            out["last"][i], out["rows"][i] = n - 1, c.seq.slot
+        return out
 
 
 def unpack(out: np.ndarray):
