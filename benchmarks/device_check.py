@@ -9,6 +9,11 @@ In order, each printed as it finishes:
   plan it made for 8 rows; `stream` against `generate`; the engine (`jaxlm.LLMEngine`) with 8
   concurrent greedy requests, each equal to `generate`'s row, and its output tokens/s.
 
+In float32, every product runs at full precision (`jax.default_matmul_precision("highest")`):
+JAX's default on a GPU multiplies float32 in TF32, whose rounding differs with the batch's
+shapes, so on a random model's near ties the engine's tokens and `generate`'s would differ by
+rounding alone (seen on an H200; docs/performance.md, "On a GPU: the device check").
+
 It exits non-zero if a check fails. In the suite it runs on the CPU on a tiny model
 (`tests/test_device_check.py`); the figures it prints there mean nothing.
 
@@ -131,7 +136,9 @@ def run(args) -> dict:
         flush=True,
     )
     model, tokenizer = jaxlm.load(args.model, dtype=args.dtype, progress=False)
-    report.update(generation(model, tokenizer, args.new_tokens, args.repeats))
+    report["matmul_precision"] = "highest" if args.dtype == "float32" else "default"
+    with jax.default_matmul_precision(report["matmul_precision"]):
+        report.update(generation(model, tokenizer, args.new_tokens, args.repeats))
     # The plan `generate` made for the batch of 8, and its bill.
     plan = next(p for p in jaxlm.plans_of(model) if p.max_batch == 8)
     report["plan_total_bytes"] = plan.total_bytes
