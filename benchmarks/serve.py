@@ -20,7 +20,8 @@ as token-id lists where the server takes them (else as the tokenizer's text), an
 are a client's: TTFT from sending to the first chunk with a token, ITL the gaps between chunks.
 
 Usage: python benchmarks/serve.py [--model PATH] [--requests 32] [--rate 4] [--max-num-seqs 8]
-    [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--json PATH] [--constrained]
+    [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--max-num-batched-tokens 256]
+    [--json PATH] [--constrained]
     [--url http://127.0.0.1:8000/v1] [--vs llama.cpp [--llama-server PATH]]
 """
 
@@ -176,6 +177,7 @@ def run_local(args, requests) -> dict:
         max_seq_len=args.max_seq_len or longest,
         page_size=args.page_size,
         num_pages=pages,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     ) as engine:
         run_engine(engine, requests)
         with OtherLoad() as busy:
@@ -317,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the engine's longest request (default: the longest of the workload; the pages "
         "are sized to the workload either way)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="the most tokens a step of the engine runs, as `jaxlm serve`'s option: each prompt "
+        "chunk width up to it is compiled",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     p.add_argument(

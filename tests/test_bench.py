@@ -221,7 +221,10 @@ def test_serve_benchmark_times_every_request(tiny_tied, tmp_path, capsys):
     serve = load_benchmark("serve")
     out = tmp_path / "serve.json"
     argv = ["--model", str(tiny_tied), "--requests", "6", "--rate", "50", "--max-num-seqs", "2"]
+    # The longest prompt fits one chunk of 16 tokens: the engine compiles that width's steps,
+    # not those of every width up to the default 256.
     argv += ["--prompt-len", "3,9", "--output-len", "2,5", "--page-size", "4"]
+    argv += ["--max-num-batched-tokens", "16"]
     with pytest.raises(SystemExit):
         serve.main([*argv, "--max-seq-len", "13"])
     assert "`--max-seq-len` 13 is below the workload's longest, 14" in capsys.readouterr().err
@@ -245,7 +248,7 @@ def test_serve_benchmark_over_http_times_every_request(tiny_chat, tmp_path):
     port = http_client.free_port()
     command = [sys.executable, "-m", "jaxlm", "serve", "--model", str(tiny_chat)]
     command += ["--port", str(port), "--max-num-seqs", "2", "--max-seq-len", "64"]
-    command += ["--page-size", "4", "--max-num-batched-tokens", "32"]
+    command += ["--page-size", "4", "--max-num-batched-tokens", "16"]
     out = tmp_path / "serve.json"
     url = f"http://127.0.0.1:{port}/v1"
     argv = ["--model", str(tiny_chat), "--url", url, "--requests", "6", "--rate", "50"]
