@@ -19,6 +19,11 @@ from jaxlm.batching.engine import LLMEngine
 from jaxlm.batching.step import HostPack, Shape
 from jaxlm.errors import PlanError
 
+# An engine of two sequences whose steps hold a prompt chunk of 16 tokens at most: its few
+# executables compile once (the compilation cache serves the tests after the first), where the
+# default `max_num_batched_tokens` of 256 compiles every chunk width up to it.
+SMALL = dict(max_num_seqs=2, page_size=4, num_pages=64, max_num_batched_tokens=16)
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
@@ -160,9 +165,7 @@ def test_a_shared_prefix_is_computed_once(tiny):
     prefix = rng.integers(0, tiny.config.vocab_size, 64).tolist()
     first, second = [*prefix, 5, 6, 7], [*prefix, 8, 9]
     for cache, computed in ((True, 2), (False, 66)):
-        with LLMEngine(
-            tiny, max_num_seqs=2, page_size=4, num_pages=64, prefix_cache=cache
-        ) as engine:
+        with LLMEngine(tiny, prefix_cache=cache, **SMALL) as engine:
             engine.generate([first], max_new_tokens=4, stop_token_ids=[])
             before = engine.prefill_tokens
             (out,) = engine.generate([second], max_new_tokens=4, stop_token_ids=[])
@@ -174,7 +177,7 @@ def test_text_stop_strings_and_streaming(tiny_chat):
     model, tok = jaxlm.load(tiny_chat)
     prompt = "Once upon a time"
     reference = jaxlm.generate(model, tok, prompt, max_new_tokens=24, stop=["e"])
-    with LLMEngine(model, tok, max_num_seqs=2, page_size=8, num_pages=40) as engine:
+    with LLMEngine(model, tok, **{**SMALL, "page_size": 8, "num_pages": 40}) as engine:
         handle = engine.submit(prompt, max_new_tokens=24, stop=["e"])
         pieces = list(handle)
         out = handle.result()
@@ -208,7 +211,7 @@ def iterate(handle, timeout: float = 60.0) -> list[str]:
 def test_an_error_before_a_call_fails_every_request(tiny):
     # Scheduling and packing a call's inputs run on the engine's thread too: an error there
     # ends the engine, and every request learns of it instead of waiting forever.
-    with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=64) as engine:
+    with LLMEngine(tiny, **SMALL) as engine:
 
         def broken(*args, **kwargs):
             raise RuntimeError("the scheduler broke")
@@ -305,7 +308,7 @@ def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
 
 
 def test_a_cancelled_request_ends_and_gives_its_pages_back(tiny):
-    with LLMEngine(tiny, max_num_seqs=2, page_size=4, num_pages=64) as engine:
+    with LLMEngine(tiny, **SMALL) as engine:
         handle = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=[])
         other = engine.submit([4, 5], max_new_tokens=6, stop_token_ids=[])
         while not handle.token_times:
