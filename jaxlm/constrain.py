@@ -227,6 +227,34 @@ class Grammars:
             lln.fill_next_token_bitmask_par(self._executor, rest, mask)
 
 
+class GrammarRows:
+    """The rows of a constrained `generate` or `stream`, each with its matcher of `grammar`: the
+    tokens each has taken, and whether its output is complete."""
+
+    def __init__(self, grammars: Grammars, grammar, n: int):
+        self._grammars = grammars
+        self._matchers = [grammars.matcher(grammar) for _ in range(n)]
+        self._taken = np.zeros(n, np.int32)
+        self._complete = np.zeros(n, bool)
+
+    def masks(self, rows: int, done) -> np.ndarray:
+        """The mask of each of `rows` rows' next token: its grammar's; every token in rows
+        that have ended or hold no prompt."""
+        mask = np.full((rows, -(-self._grammars.vocab_size // 32)), -1, np.int32)
+        ended = done | self._complete
+        self._grammars.fill([(m, i) for i, m in enumerate(self._matchers) if not ended[i]], mask)
+        return mask
+
+    def advance(self, tokens, counts, done):
+        """Give each matcher the tokens it has not taken; a row whose grammar is complete ends
+        at its last token. Returns the rows' counts and `done`, so cut."""
+        for i, m in enumerate(self._matchers):
+            while self._taken[i] < counts[i] and not self._complete[i]:
+                self._complete[i] = m.advance(tokens[i, self._taken[i]])
+                self._taken[i] += 1
+        return np.where(self._complete, self._taken, counts), done | self._complete
+
+
 def _limits(llg):
     # Errors that quote the parser's state would echo a request's whole grammar.
     return llg.LLParserLimits(verbose_errors=False)

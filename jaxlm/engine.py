@@ -122,8 +122,9 @@ def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
     return jax.lax.fori_loop(0, n_chunks, run, (state, logits0))
 
 
-def _sample_next(scratch, logits, params, stop):
-    """Sample the token of slot `index` and record it in the decode state."""
+def _sample_next(scratch, logits, params, stop, mask):
+    """Sample the token of slot `index` and record it in the decode state; with a `mask`
+    (`[B, ceil(vocab / 32)]` bits), only among the tokens it allows."""
     d = scratch["decode"]
     index = d["index"]
     slots = jnp.arange(d["tokens"].shape[1])
@@ -136,6 +137,8 @@ def _sample_next(scratch, logits, params, stop):
         lambda x: x,
         logits,
     )
+    if mask is not None:
+        logits = sampling.apply_bitmask(logits, mask)
     step = index - d["prompt_end"]
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(d["rng"], step)
     token = sampling.sample(
@@ -160,8 +163,8 @@ def _sample_next(scratch, logits, params, stop):
     return {**scratch, "decode": decode}
 
 
-def start(model, scratch, prompt, lengths, rng, params, stop, chunk):
-    """Prefill the prompts and sample each row's first token."""
+def start(model, scratch, prompt, lengths, rng, params, stop, chunk, mask=None):
+    """Prefill the prompts and sample each row's first token (among those `mask` allows)."""
     scratch, logits = _reset_and_prefill(model, scratch, prompt, lengths, chunk)
     b, p = prompt.shape
     d = scratch["decode"]
@@ -175,11 +178,13 @@ def start(model, scratch, prompt, lengths, rng, params, stop, chunk):
         "prompt_end": jnp.int32(p),
         "tail": jnp.full(d["tail"].shape, -1, jnp.int32),
     }
-    return _sample_next({**scratch, "decode": d}, logits, params, stop)
+    return _sample_next({**scratch, "decode": d}, logits, params, stop, mask)
 
 
-def decode_loop(model, scratch, params, stop, limit):
-    """Decode until every row is done or `limit` tokens have been sampled in all."""
+def decode_loop(model, scratch, params, stop, limit, mask=None):
+    """Decode until every row is done or `limit` tokens have been sampled in all; with a `mask`,
+    each token among those it allows (a grammar's mask holds for one token: the host gives the
+    next `limit` one more than the tokens sampled)."""
 
     def generated(s):
         return s["decode"]["index"] - s["decode"]["prompt_end"] + 1
@@ -190,7 +195,7 @@ def decode_loop(model, scratch, params, stop, limit):
     def body(s):
         token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], s["decode"]["index"], 1, 1)
         logits, s = _forward(model, s, token, 0)
-        return _sample_next(s, logits, params, stop)
+        return _sample_next(s, logits, params, stop, mask)
 
     return jax.lax.while_loop(cond, body, scratch)
 

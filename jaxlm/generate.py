@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -30,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxlm import stops
+from jaxlm.constrain import GrammarRows, Grammars, grammar_of
 from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
 from jaxlm.errors import PlanError
 from jaxlm.planner import Plan, plan
@@ -102,6 +104,8 @@ def _data_devices(model) -> int:
 
 
 _PLAN_LOCK = threading.Lock()
+# The grammars compiled for each tokenizer (`response_format`).
+_GRAMMARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # The steps `generate` runs (prefill and decode in one call), and those `stream` runs: the
@@ -279,6 +283,7 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     stop: str | Sequence[str] | None = None,
     plan: Plan | None = None,
+    response_format=None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` in one XLA call.
 
@@ -287,6 +292,11 @@ def generate(
     sampled distribution (Hugging Face conventions). Each sampling argument is a number or one
     number per prompt. Generation stops at `stop_token_ids` (default: the model's EOS tokens;
     `[]` for none), at `stop` strings (the text is cut before them) or after `max_new_tokens`.
+
+    `response_format` holds every output to a grammar, as `LLMEngine.submit` takes it (OpenAI's
+    `{"type": "json_schema", ...}`, a Pydantic model class or a `jaxlm.constrain.Grammar`);
+    a row ends (`"stop"`) when its grammar is complete. Each token's mask comes from the host,
+    so a constrained request runs one call per token rather than one in all.
 
     Example:
         >>> out = jaxlm.generate(model, tokenizer, ["The capital of France is"], max_new_tokens=8)
@@ -308,6 +318,10 @@ def generate(
         stop=stop,
         plan=plan,
     )
+    constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
+    if constrained is not None:
+        *_, (tokens, counts, done, _) = _calls(model, tokenizer, req, plan, None, constrained)
+        return _result(tokenizer, req, tokens, counts, done)
     the_plan, chunk, x = _prepare(model, tokenizer, req, plan, streaming=False)
     engine = the_plan.engine
     scratch = the_plan.step("generate", x["prompt"].shape[1], chunk)(
@@ -323,10 +337,14 @@ def generate(
     tokens, counts, done, start = _read_rows(scratch, len(req.prompts))
     the_plan.keep(scratch)
     the_plan.ran()
+    return _result(tokenizer, req, tokens[:, start:], counts, done)
+
+
+def _result(tokenizer, req: Request, tokens, counts, done) -> GenerationResult:
+    # `tokens[i, :counts[i]]` are row `i`'s, stop tokens left out.
     texts, token_ids, reasons = [], [], []
     for i in range(len(req.prompts)):
-        ids = tokens[i, start : start + counts[i]].tolist()
-        text, ids, stopped = cut_at_stop(tokenizer, ids, req.stop)
+        text, ids, stopped = cut_at_stop(tokenizer, tokens[i, : counts[i]].tolist(), req.stop)
         texts.append(text)
         token_ids.append(ids)
         reasons.append("stop" if stopped or done[i] else "length")
@@ -349,12 +367,14 @@ def stream(
     stop: str | Sequence[str] | None = None,
     plan: Plan | None = None,
     chunk_tokens: int = STREAM_CHUNK,
+    response_format=None,
 ) -> Iterator[str] | Iterator[list[str]]:
     """Yield text as it is generated; the same arguments and tokens as `generate`.
 
     For one prompt (a string or one list of ids) it yields strings; for a list of prompts, a
     list with one piece per prompt (empty when a row has nothing new). The loop runs in calls of
-    `chunk_tokens` tokens, the scratch donated from one call to the next.
+    `chunk_tokens` tokens (one under a `response_format`), the scratch donated from one call to
+    the next.
 
     Example:
         >>> for piece in jaxlm.stream(model, tokenizer, "Tell me a story", max_new_tokens=64):
@@ -379,44 +399,81 @@ def stream(
         stop=stop,
         plan=plan,
     )
-    return _stream(model, tokenizer, req, plan, chunk_tokens)
+    constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
+    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained)
 
 
-def _stream(model, tokenizer, req: Request, given: Plan | None, chunk_tokens: int):
+def _stream(model, tokenizer, req: Request, given, chunk_tokens: int, constrained):
+    detok = [Detokenizer(tokenizer, req.stop) for _ in req.prompts]
+
+    def cut() -> bool:
+        # Every row's text is final once each has met a stop string.
+        return all(d.finished for d in detok)
+
+    for tokens, counts, done, final in _calls(
+        model, tokenizer, req, given, chunk_tokens, constrained, cut
+    ):
+        pieces = [
+            d.update(tokens[i, : counts[i]].tolist(), final or bool(done[i]))
+            for i, d in enumerate(detok)
+        ]
+        if any(pieces):
+            yield pieces[0] if req.single else pieces
+
+
+def _constrained(model, tokenizer, response_format, n: int) -> GrammarRows | None:
+    """The grammar rows of `n` prompts under `response_format`, or None without one."""
+    grammar = grammar_of(response_format)
+    if grammar is None:
+        return None
+    with _PLAN_LOCK:
+        grammars = _GRAMMARS.get(tokenizer)
+        if grammars is None:
+            grammars = _GRAMMARS[tokenizer] = Grammars(tokenizer, model.config.vocab_size)
+    return GrammarRows(grammars, grammar, n)
+
+
+def _calls(model, tokenizer, req: Request, given, chunk_tokens, constrained, cut=lambda: False):
+    """Run `stream`'s calls: the prefill and first token, then the decode loop `chunk_tokens`
+    tokens at a time, or one at a time under the rows' grammars (`constrained`), until every
+    row is done or `cut()`. After each call yields each row's tokens `[rows, n]`, their counts
+    (stop tokens left out), whether each row is done (a stop token, or its grammar complete)
+    and whether the call was the last.
+    """
     the_plan, chunk, x = _prepare(model, tokenizer, req, given, streaming=True)
-    engine = the_plan.engine
-    n = len(req.prompts)
-    detok = [Detokenizer(tokenizer, req.stop) for _ in range(n)]
+    engine, n, rows = the_plan.engine, len(req.prompts), x["prompt"].shape[0]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
-    # pool when the stream ends, and is dropped if the stream is abandoned or fails.
-    scratch = the_plan.step("start", x["prompt"].shape[1], chunk)(
-        engine.params,
-        the_plan.take(),
-        x["prompt"],
-        x["lengths"],
-        x["rng"],
-        x["params"],
-        x["stops"],
-    )
+    # pool when the stream ends, and is dropped if the stream is abandoned or fails. A grammar's
+    # mask is an input of the steps the plan did not compile: they compile on first use.
+    first = the_plan.step("start", x["prompt"].shape[1], chunk)
+    if constrained is not None:
+        mask = constrained.masks(rows, np.zeros(n, bool))
+        first = functools.partial(engine.start, chunk=chunk, mask=mask)
+    prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stops"])
+    scratch = first(engine.params, the_plan.take(), *prompt)
     generated = 1
-    decode = the_plan.step("decode")
     while True:
         tokens, counts, done, start = _read_rows(scratch, n)
         the_plan.ran()
-        final = generated >= req.max_new_tokens or bool(done.all())
-        pieces = [
-            d.update(tokens[i, start : start + counts[i]].tolist(), final or bool(done[i]))
-            for i, d in enumerate(detok)
-        ]
-        if final or all(d.finished for d in detok):
+        tokens = tokens[:, start:]
+        if constrained is not None:
+            counts, done = constrained.advance(tokens, counts, done)
+        if generated >= req.max_new_tokens or bool(done.all()):
             the_plan.keep(scratch)
-            if any(pieces):
-                yield pieces[0] if req.single else pieces
+            yield tokens, counts, done, True
             return
-        if any(pieces):
-            yield pieces[0] if req.single else pieces
-        generated = min(generated + chunk_tokens, req.max_new_tokens)
-        scratch = decode(engine.params, scratch, x["params"], x["stops"], np.int32(generated))
+        yield tokens, counts, done, False
+        if cut():
+            the_plan.keep(scratch)
+            return
+        step = the_plan.step("decode")
+        if constrained is None:
+            generated = min(generated + chunk_tokens, req.max_new_tokens)
+        else:
+            # A grammar's mask holds for one token.
+            generated += 1
+            step = functools.partial(engine.decode_loop, mask=constrained.masks(rows, done))
+        scratch = step(engine.params, scratch, x["params"], x["stops"], np.int32(generated))
 
 
 # `chat` takes a `stream` argument, which hides the function of that name inside it.

@@ -64,7 +64,8 @@ def test_plan_prints_the_bill_without_loading_weights(env):
     out = run(env, "plan", "--max-batch", "2", "--max-seq-len", "512")
     assert out.returncode == 0, out.stderr
     assert "model.layers.29.self_attn" in out.stdout
-    assert "[6, 64, 512]" in out.stdout
+    # Each row's 512 slots in two pages of 256: [4 pages, 3 KV heads, head_dim 64, 256 slots].
+    assert "[4, 3, 64, 256]" in out.stdout
     assert "whole bill" in out.stdout
 
 

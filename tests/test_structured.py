@@ -117,6 +117,30 @@ def test_parse_returns_objects_that_fit_their_schemas(client):
         assert streamed.message.content == plain.message.content
 
 
+def test_generate_stream_and_chat_hold_to_a_schema_as_the_engine_does(served):
+    engine = served[1]
+    model, tokenizer = engine.model, engine.tokenizer
+    prompts = [
+        tokenizer.apply_chat_template(ask(p), add_generation_prompt=True) for _, p in SCHEMAS[:2]
+    ]
+    formats = [{"type": "json_schema", "json_schema": {"schema": _schema(m)}} for m, _ in SCHEMAS]
+    kw = dict(max_new_tokens=96, response_format=formats[0])
+    # Two rows under one grammar in one call: `Person` for both prompts.
+    out = jaxlm.generate(model, tokenizer, prompts, **kw)
+    for i, prompt in enumerate(prompts):
+        assert out.finish_reasons[i] == "stop", out
+        jsonschema.validate(json.loads(out.texts[i]), _schema(Person))
+        # Greedy under the same grammar: the engine's tokens, and `stream`'s text.
+        assert engine.submit(prompt, **kw).result().token_ids == out.token_ids[i]
+        assert "".join(jaxlm.stream(model, tokenizer, prompt, **kw)) == out.texts[i]
+    reply = jaxlm.chat(model, tokenizer, ask(SCHEMAS[2][1]), response_format=Paint)
+    assert Paint.model_validate_json(reply)
+    # Cut short, the output is the start of an object and ends for its `length`.
+    short = jaxlm.generate(model, tokenizer, prompts[0], max_new_tokens=3, response_format=Paint)
+    assert short.finish_reasons == ["length"] and short.texts[0].startswith("{")
+    assert len(short.token_ids[0]) == 3
+
+
 def test_regex_and_choice_are_met_exactly_with_sampling(client):
     pattern = r"[A-Z][a-z]{2,6}-[0-9]{3}"
     options = ["north", "south", "east by east", "west"]
