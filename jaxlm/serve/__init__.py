@@ -37,14 +37,18 @@ def run(
 
     app = create_app(engine, model_name, close_engine=True, tool_call_parser=tool_call_parser)
     config = http.config(app, host=host, port=port, grace=grace)
-    # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: exit 0 then,
-    # as the server has stopped cleanly (SIGINT raises `KeyboardInterrupt` as usual).
-    previous = signal.signal(signal.SIGTERM, _exit)
+    # uvicorn shuts down on SIGINT or SIGTERM, then raises the signal again for the handlers it
+    # found. These only note it: a `KeyboardInterrupt` raised by the handler itself could land
+    # in a finalizer the main thread runs at that moment, which swallows it (the process then
+    # exited 0 on SIGINT). After SIGTERM the server has stopped cleanly; SIGINT goes on as
+    # `KeyboardInterrupt` (exit 130 from the command line).
+    received: list[int] = []
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in handled}
     try:
         http.DrainingServer(config, app.state.server, grace).run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _exit(signum, frame) -> None:
-    raise SystemExit(0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if signal.SIGINT in received:
+        raise KeyboardInterrupt
