@@ -363,3 +363,14 @@ def test_token_bytes_are_what_the_tokenizer_decodes(chat_model):
             assert text == tok.decode(ids), ids
             checked += 1
         assert checked > 100
+
+
+def test_a_bad_response_format_is_refused_before_any_work(chat_model):
+    model, tok = chat_model
+    with pytest.raises(ValueError, match="`response_format` must be an object"):
+        jaxlm.generate(model, tok, "Hi", max_new_tokens=4, response_format="json")
+    with pytest.raises(ValueError, match=r"`response_format\.type` must be"):
+        list(jaxlm.stream(model, tok, "Hi", max_new_tokens=4, response_format={"type": "xml"}))
+    with pytest.raises(ValueError, match=r"`response_format` (is not supported|does not compile)"):
+        schema = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+        jaxlm.generate(model, tok, "Hi", max_new_tokens=4, response_format=schema)
