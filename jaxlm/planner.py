@@ -389,8 +389,10 @@ def _fit(make, floor, limit: int, config) -> object | None:
     is the most pages that fit if XLA's temporaries follow a line: through no temporaries at no
     pages and `top`'s at first (a prefill's scores grow with the context), then through the last
     two plans compiled (a decode step's temporaries hardly grow), and bisecting after three
-    guesses. Usually three or four compilations, where a bisection from one page would take one
-    per halving.
+    guesses. Temporaries do not shrink as the pages grow, so once a plan fits, no more pages fit
+    than fit beside its temporaries: that bound often ends the search at the plan that fits.
+    Usually two or three compilations, where a bisection from one page would take one per
+    halving.
     """
 
     def most_pages(hi: int, extra) -> int:
@@ -421,9 +423,11 @@ def _fit(make, floor, limit: int, config) -> object | None:
         guess = most_pages(hi, line) if len(seen) < 5 else (lo + hi + 1) // 2
         probe = min(hi, max(lo + 1, guess))
         candidate = make(probe * PAGE)
-        seen.append((probe, candidate.total_bytes - floor(probe * PAGE)))
+        temporaries = candidate.total_bytes - floor(probe * PAGE)
+        seen.append((probe, temporaries))
         if candidate.total_bytes <= limit:
             best, lo = candidate, probe
+            hi = most_pages(hi, lambda pages, t=temporaries: t)
         else:
             hi = probe - 1
     return best
