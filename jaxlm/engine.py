@@ -239,7 +239,7 @@ class Engine:
         self.plans: dict = {}
 
     def jitted(self, step: str):
-        """A new jitted function of `step` (`"generate"`, `"start"` or `"decode"`).
+        """A new jitted function of `step` (one of the names `jaxlm.plan`'s `steps` takes).
 
         Its traces are cached on it, so a plan that compiles through its own function and
         keeps only the executables lets the traces go (see `docs/performance.md`, "Host memory").
@@ -280,6 +280,7 @@ class Engine:
                 "lengths": sds((self.config.vocab_size,), i32),
             },
             "limit": sds((), i32),
+            "mask": sds((batch, -(-self.config.vocab_size // 32)), i32),
         }
 
 
@@ -299,10 +300,13 @@ def _generate(model, scratch, prompt, lengths, rng, params, stop, limit, chunk):
 
 
 # Each step run by a plan, and its static arguments.
+# A `_masked` step takes each row's token mask (`mask=`): the steps of rows under a grammar.
 _STEP_FUNCTIONS = {
     "generate": (_generate, ("chunk",)),
     "start": (start, ("chunk",)),
     "decode": (decode_loop, ()),
+    "start_masked": (start, ("chunk",)),
+    "decode_masked": (decode_loop, ()),
 }
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -348,6 +352,9 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
         "start": ((params, scratch, *prompt), {"chunk": chunk}),
         "decode": ((params, scratch, x["params"], x["stops"], x["limit"]), {}),
     }
+    for name in ("start", "decode"):
+        args, kwargs = arguments[name]
+        arguments[f"{name}_masked"] = (args, {**kwargs, "mask": x["mask"]})
     unknown = set(steps) - set(arguments)
     if unknown or not steps:
         raise ValueError(f"`steps` must name some of {sorted(arguments)}, got {list(steps)}")

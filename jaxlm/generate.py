@@ -109,8 +109,9 @@ _GRAMMARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # The steps `generate` runs (prefill and decode in one call), and those `stream` runs: the
-# prefill and first token, then the decode loop chunk by chunk.
-_STEPS = {False: ("generate",), True: ("start", "decode")}
+# prefill and first token, then the decode loop chunk by chunk; under a grammar, the same with
+# each row's token mask, a token a call.
+_GENERATE, _STREAM, _MASKED = ("generate",), ("start", "decode"), ("start_masked", "decode_masked")
 
 
 def _plan_for(
@@ -198,15 +199,15 @@ def request_plan(
     """
     req = Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
     rows, p, seq, chunk = _shapes(req, None, _data_devices(model))
-    return _plan_for(model, rows, p, seq, chunk, None, _STEPS[streaming])
+    return _plan_for(model, rows, p, seq, chunk, None, _STREAM if streaming else _GENERATE)
 
 
 def _prepare(
-    model, tokenizer, req: Request, given: Plan | None, streaming: bool
+    model, tokenizer, req: Request, given: Plan | None, steps: tuple[str, ...]
 ) -> tuple[Plan, int, dict]:
-    """The plan of a request, its prefill chunk, and its padded inputs."""
+    """The plan of a request that runs `steps`, its prefill chunk, and its padded inputs."""
     batch, p, seq, chunk = _shapes(req, given, _data_devices(model))
-    the_plan = _plan_for(model, batch, p, seq, chunk, given, _STEPS[streaming])
+    the_plan = _plan_for(model, batch, p, seq, chunk, given, steps)
     x = _inputs(req, batch, p)
     x["stops"] = _stops(tokenizer, req, model.config.vocab_size)
     return the_plan, chunk, x
@@ -322,7 +323,7 @@ def generate(
     if constrained is not None:
         *_, (tokens, counts, done, _) = _calls(model, tokenizer, req, plan, None, constrained)
         return _result(tokenizer, req, tokens, counts, done)
-    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, streaming=False)
+    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, _GENERATE)
     engine = the_plan.engine
     scratch = the_plan.step("generate", x["prompt"].shape[1], chunk)(
         engine.params,
@@ -440,17 +441,15 @@ def _calls(model, tokenizer, req: Request, given, chunk_tokens, constrained, cut
     (stop tokens left out), whether each row is done (a stop token, or its grammar complete)
     and whether the call was the last.
     """
-    the_plan, chunk, x = _prepare(model, tokenizer, req, given, streaming=True)
-    engine, n, rows = the_plan.engine, len(req.prompts), x["prompt"].shape[0]
+    steps = _STREAM if constrained is None else _MASKED
+    the_plan, chunk, x = _prepare(model, tokenizer, req, given, steps)
+    n, rows = len(req.prompts), x["prompt"].shape[0]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
-    # pool when the stream ends, and is dropped if the stream is abandoned or fails. A grammar's
-    # mask is an input of the steps the plan did not compile: they compile on first use.
-    first = the_plan.step("start", x["prompt"].shape[1], chunk)
-    if constrained is not None:
-        mask = constrained.masks(rows, np.zeros(n, bool))
-        first = functools.partial(engine.start, chunk=chunk, mask=mask)
+    # pool when the stream ends, and is dropped if the stream is abandoned or fails.
+    masked = {} if constrained is None else {"mask": constrained.masks(rows, np.zeros(n, bool))}
+    first = the_plan.step(steps[0], x["prompt"].shape[1], chunk)
     prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stops"])
-    scratch = first(engine.params, the_plan.take(), *prompt)
+    scratch = first(the_plan.engine.params, the_plan.take(), *prompt, **masked)
     generated = 1
     while True:
         tokens, counts, done, start = _read_rows(scratch, n)
@@ -466,14 +465,15 @@ def _calls(model, tokenizer, req: Request, given, chunk_tokens, constrained, cut
         if cut():
             the_plan.keep(scratch)
             return
-        step = the_plan.step("decode")
         if constrained is None:
             generated = min(generated + chunk_tokens, req.max_new_tokens)
         else:
             # A grammar's mask holds for one token.
             generated += 1
-            step = functools.partial(engine.decode_loop, mask=constrained.masks(rows, done))
-        scratch = step(engine.params, scratch, x["params"], x["stops"], np.int32(generated))
+            masked = {"mask": constrained.masks(rows, done)}
+        step = the_plan.step(steps[1])
+        limit = np.int32(generated)
+        scratch = step(the_plan.engine.params, scratch, x["params"], x["stops"], limit, **masked)
 
 
 # `chat` takes a `stream` argument, which hides the function of that name inside it.
