@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import gc
 import json
@@ -87,10 +88,12 @@ def _audit_open(event: str, args: tuple) -> None:
 sys.addaudithook(_audit_open)
 
 
-# The two workers (`--dist loadfile`, pyproject.toml) take a file at a time, so that its module
-# fixtures load once, the slowest first so that both finish together. Seconds per file in a run
-# of the whole suite on 2 cores, from its `--durations=0` (on a machine shared with other runs:
-# only their order counts); the others take less.
+# The two workers (pyproject.toml) take a group of files at a time, so that their module and
+# session fixtures load once, the slowest first so that both finish together. A file is a group
+# of its own, except those that share the default model's served engine (`served_default`).
+GROUPS = {"test_structured.py": "test_serve.py"}
+# Seconds per file in a run of the whole suite on 2 cores, from its `--durations=0` (on a
+# machine shared with other runs: only their order counts); the others take less.
 FILE_SECONDS = {
     "test_families.py": 465,
     "test_generate.py": 450,
@@ -120,8 +123,28 @@ FILE_SECONDS = {
 }
 
 
+def _group(path: str) -> str:
+    name = path.split("::", 1)[0].rsplit("/", 1)[-1]
+    return GROUPS.get(name, name)
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
+    seconds = collections.Counter()
+    for name, t in FILE_SECONDS.items():
+        seconds[_group(name)] += t
+    items.sort(key=lambda item: -seconds[_group(item.nodeid)])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    # `--dist loadfile`'s scheduling, by group of files. (xdist's own `loadgroup` marks no
+    # longer take with pytest 9, which keeps a node's id elsewhere.)
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_finish(session):
@@ -313,6 +336,24 @@ def tiny_llama(tmp_path_factory):
     """A saved tiny Llama (GQA 4:1) directory and its transformers model."""
     path = tmp_path_factory.mktemp("tiny_llama")
     return path, make_hf_model(path, "llama_gqa4")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model and its tokenizer."""
+    import jaxlm
+
+    return jaxlm.load()
+
+
+@pytest.fixture(scope="session")
+def served_default(smollm2):
+    """`(Running, engine)`: the default model's engine served as `smollm2`, shared by the files
+    of its group (`GROUPS`): compiling its steps takes half a minute."""
+    from serve_helpers import served_default_engine
+
+    with served_default_engine(*smollm2, "smollm2") as served:
+        yield served
 
 
 CHATML = (

@@ -39,8 +39,8 @@ class Running:
 
 @contextlib.contextmanager
 def served_default_engine(model, tokenizer, name: str):
-    """`(Running, engine)`: the default model's engine at the sizes the serve tests share (their
-    steps come from the compilation cache after the first file), served as `name`."""
+    """`(Running, engine)`: the default model's engine at the sizes the serve tests share
+    (`served_default` in `tests/conftest.py`), served as `name`."""
     from jaxlm.serve import create_app
 
     engine = jaxlm.LLMEngine(

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import free_port, served_default_engine, wait_until_healthy
+from serve_helpers import free_port, wait_until_healthy
 
 import jaxlm
 
@@ -24,15 +24,8 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return jaxlm.load()
-
-
-@pytest.fixture(scope="module")
-def served(smollm2):
-    model, tokenizer = smollm2
-    with served_default_engine(model, tokenizer, MODEL) as served:
-        yield served
+def served(served_default):
+    return served_default
 
 
 @pytest.fixture(scope="module")

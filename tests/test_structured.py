@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serve_helpers import assert_openai_error, idle, served_default_engine
+from serve_helpers import assert_openai_error, idle
 
 import jaxlm
 
@@ -25,10 +25,8 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def served():
-    model, tokenizer = jaxlm.load()
-    with served_default_engine(model, tokenizer, MODEL) as served:
-        yield served
+def served(served_default):
+    return served_default
 
 
 @pytest.fixture(scope="module")
