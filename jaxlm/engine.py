@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import threading
 import weakref
 
@@ -362,8 +363,14 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
     for name in steps:
         args, kwargs = arguments[name]
         lowered[name] = engine.jitted(name).lower(*args, **kwargs)
-    # XLA compiles, or loads from the persistent cache, without holding the GIL, so the steps
-    # compile side by side (see `docs/performance.md`, "Tracing and dispatch").
-    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        futures = {name: pool.submit(step.compile) for name, step in lowered.items()}
-    return {name: future.result() for name, future in futures.items()}
+    return compile_side_by_side(lowered)
+
+
+def compile_side_by_side(lowered: dict) -> dict:
+    """Each of the `lowered` steps, compiled: XLA compiles, or loads from the persistent cache,
+    without holding the GIL, so the steps compile side by side, one a core (see
+    `docs/performance.md`, "Tracing and dispatch")."""
+    workers = max(1, min(len(lowered), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {key: pool.submit(step.compile) for key, step in lowered.items()}
+    return {key: future.result() for key, future in futures.items()}

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxlm import sampling
 from jaxlm.batching.scheduler import Batch
-from jaxlm.engine import SAMPLING_FIELDS
+from jaxlm.engine import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import MAX_LOGIT_BIAS, Request
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
@@ -162,12 +162,12 @@ class Steps:
     def compile(self, state, pages) -> dict:
         """Each `Shape`'s step, compiled for the model's `state` and the `pages` (shapes will
         do); it takes `(state, pages, buffer)`, donates the pages and returns `(pages, out)`."""
-        out = {}
+        lowered = {}
         for shape, layout in self.layouts.items():
             run = functools.partial(self._run if shape.width else self._run_decode, layout)
             fn = jax.jit(run, donate_argnums=1)
-            out[shape] = fn.lower(state, pages, layout.spec).compile()
-        return out
+            lowered[shape] = fn.lower(state, pages, layout.spec)
+        return compile_side_by_side(lowered)
 
     # The steps.
 
