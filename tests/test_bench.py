@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import sys
 from pathlib import Path
 
@@ -86,11 +87,13 @@ def test_bench_writes_json_and_prints_tables(tiny_tied, tmp_path, capsys):
 
 
 def test_peak_rss_restarts_after_a_reset():
-    # 256 MiB touched and freed raise the high-water mark; a reset brings it back to about
-    # the current RSS, as the kernel counts it.
-    block = np.ones(2**28 // 8)
+    # 256 MiB mapped, touched and unmapped raise the high-water mark; a reset brings it back to
+    # about the current RSS, as the kernel counts it. (An array could take free heap pages that
+    # are resident already, and its free keep them: the mapping is the process's own.)
+    block = mmap.mmap(-1, 2**28)
+    np.frombuffer(block, np.uint8).fill(1)
     high = bench.peak_rss()
-    del block
+    block.close()
     assert high >= bench.current_rss() + 200 * 2**20
     assert bench.reset_peak_rss()
     assert bench.peak_rss() < high - 200 * 2**20
