@@ -235,26 +235,28 @@ def test_report(tiny):
 
 
 def test_prompt_longer_than_plan(tiny):
-    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
+    # `prefill` and `decode` run the engine's own steps: the plan's compiled steps are not
+    # called, so it compiles the decode loop alone.
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8, steps=("decode",))
     with pytest.raises(PlanError, match=r"prompt of 9 tokens exceeds .*`max_seq_len=8`"):
         plan.prefill(plan.allocate(), np.zeros((1, 9), np.int32))
 
 
 def test_batch_larger_than_plan(tiny):
-    plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=8)
+    plan = jaxlm.plan(tiny, max_batch=2, max_seq_len=8, steps=("decode",))
     with pytest.raises(PlanError, match=r"3 rows exceeds .*`max_batch=2`"):
         plan.prefill(plan.allocate(), np.zeros((3, 4), np.int32))
 
 
 def test_scratch_of_another_plan(tiny):
-    small = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
-    big = jaxlm.plan(tiny, max_batch=1, max_seq_len=16)
+    small = jaxlm.plan(tiny, max_batch=1, max_seq_len=8, steps=("decode",))
+    big = jaxlm.plan(tiny, max_batch=1, max_seq_len=16, steps=("decode",))
     with pytest.raises(PlanError, match="does not belong to this plan"):
         big.prefill(small.allocate(), np.zeros((1, 4), np.int32))
 
 
 def test_donated_scratch_reused(tiny):
-    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8)
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=8, steps=("decode",))
     scratch = plan.allocate()
     plan.prefill(scratch, np.zeros((1, 4), np.int32))
     with pytest.raises(PlanError, match="donated to an earlier step"):
@@ -262,7 +264,7 @@ def test_donated_scratch_reused(tiny):
 
 
 def test_cache_full(tiny):
-    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=4)
+    plan = jaxlm.plan(tiny, max_batch=1, max_seq_len=4, steps=("decode",))
     scratch, _ = plan.prefill(plan.allocate(), np.zeros((1, 4), np.int32))
     with pytest.raises(PlanError, match="cache is full"):
         plan.decode(scratch, [1])
@@ -360,7 +362,8 @@ def test_bfloat16_prefill_attends_without_converting_the_cache(tmp_path):
     # convert each layer's cache to float32 first.
     make_hf_model(tmp_path, "llama_gqa4")
     model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
-    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32)
+    # Its layout is all this takes of the plan.
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32, steps=("decode",))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.engine.params)
     sds = jax.ShapeDtypeStruct
     hlo = (
@@ -382,7 +385,7 @@ def test_bfloat16_caches_are_not_copied_when_attention_reads_part_of_them(tmp_pa
     make_hf_model(tmp_path, "llama_gqa4")
     model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
     seq = 1024
-    plan = jaxlm.plan(model, max_batch=1, max_seq_len=seq)
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=seq, steps=("decode",))
     c = model.config
     n, d = c.num_key_value_heads, c.head_dim
     hlo = plan.compiled["decode"].as_text()
