@@ -238,6 +238,8 @@ class Engine:
         self.generate = self.jitted("generate")
         # Plans made by `generate` for requests without one, by bucketed shape.
         self.plans: dict = {}
+        # The bill of every plan built, by its sizes: a budget's search starts from them.
+        self.bills: dict = {}
 
     def jitted(self, step: str):
         """A new jitted function of `step` (one of the names `jaxlm.plan`'s `steps` takes).

@@ -353,9 +353,18 @@ def plan(
         raise ValueError("give `max_seq_len`, `budget`, or both")
     engine = engine_of(model)
 
+    def key(seq: int) -> tuple:
+        return max_batch, seq, min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq), tuple(steps)
+
     def make(seq: int) -> Plan:
-        chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
-        return Plan.build(engine, model, max_batch, seq, chunk, limit, steps)
+        built = Plan.build(engine, model, max_batch, seq, key(seq)[2], limit, steps)
+        engine.bills[key(seq)] = built.total_bytes
+        return built
+
+    def known() -> list[tuple[int, int]]:
+        # The bills of the plans of whole pages built before at these sizes.
+        bills = ((seq, engine.bills.get(key(seq))) for (_, seq, _, _) in list(engine.bills))
+        return [(seq // PAGE, bill) for seq, bill in bills if bill and seq % PAGE == 0]
 
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
@@ -369,9 +378,10 @@ def plan(
             raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
         p = make(max_seq_len)
         if limit is not None and p.total_bytes > limit:
-            raise PlanError(p.over_budget_message(limit, _fit(make, floor, limit, engine.config)))
+            fitted = _fit(make, floor, limit, engine.config, known())
+            raise PlanError(p.over_budget_message(limit, fitted))
         return p
-    best = _fit(make, floor, limit, engine.config)
+    best = _fit(make, floor, limit, engine.config, known())
     if best is None:
         raise PlanError(make(PAGE).over_budget_message(limit, None))
     return best
@@ -384,7 +394,7 @@ def _layout(engine: Engine, decls, batch: int, seq: int) -> Layout:
     return Layout.build(decls, dims, storage_dtype, engine.partitioner)
 
 
-def _fit(make, floor, limit: int, config) -> object | None:
+def _fit(make, floor, limit: int, config, known=()) -> object | None:
     """The plan with the most pages of 256 tokens whose bill fits `limit`, or None.
 
     Weights and scratch grow linearly with the pages and are known without compiling, so a
@@ -396,7 +406,8 @@ def _fit(make, floor, limit: int, config) -> object | None:
     guesses. Temporaries do not shrink as the pages grow, so once a plan fits, no more pages fit
     than fit beside its temporaries: that bound often ends the search at the plan that fits.
     Usually two or three compilations, where a bisection from one page would take one per
-    halving.
+    halving. The bills `known` (`(pages, bill)` of plans built before) count as compiled, so a
+    budget just above a plan's bill compiles that plan alone, or loads it from the cache.
     """
 
     def most_pages(hi: int, extra) -> int:
@@ -410,9 +421,45 @@ def _fit(make, floor, limit: int, config) -> object | None:
     top = most_pages(max(1, -(-config.max_position_embeddings // PAGE)), lambda pages: 0)
     if top < 1:
         return None
-    best = make(top * PAGE)
-    if best.total_bytes <= limit:
-        return best
+    # `lo` pages fit (0: none known to), more than `hi` do not; (pages, temporaries) of the
+    # plans known, the latest last.
+    lo, hi, best, seen = 0, top, None, [(0, 0)]
+
+    def learn(pages: int, bill: int) -> None:
+        nonlocal lo, hi
+        temporaries = bill - floor(pages * PAGE)
+        seen.append((pages, temporaries))
+        if bill <= limit:
+            lo = max(lo, pages)
+            hi = max(lo, most_pages(hi, lambda _, t=temporaries: t))
+        else:
+            hi = min(hi, pages - 1)
+
+    for pages, bill in sorted(known):
+        if 1 <= pages <= top:
+            learn(pages, bill)
+    if hi == top and lo < top:
+        best = make(top * PAGE)
+        if best.total_bytes <= limit:
+            return best
+        learn(top, best.total_bytes)
+        best = None
+
+    def line(pages: int) -> int:
+        (p0, t0), (p1, t1) = seen[-2:]
+        return t0 + (t1 - t0) * (pages - p0) // (p1 - p0)
+
+    guesses = 0
+    while lo < hi:
+        # Bisection after three guesses, should the temporaries follow no line.
+        guess = most_pages(hi, line) if guesses < 3 else (lo + hi + 1) // 2
+        guesses += 1
+        probe = min(hi, max(lo + 1, guess))
+        candidate = make(probe * PAGE)
+        learn(probe, candidate.total_bytes)
+        best = candidate if candidate.total_bytes <= limit else best
+    # A plan compiled last fitted with `lo` pages; without one, `lo` is a bill known before.
+    return best if best is not None or not lo else make(lo * PAGE)
     # (pages, temporaries) of the plans compiled, the latest last.
     seen = [(0, 0), (top, best.total_bytes - floor(top * PAGE))]
 

@@ -427,8 +427,9 @@ def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, tempo
     st.lists(st.integers(0, 50), min_size=64, max_size=64),
     st.integers(0, 5000),
     st.integers(0, 2000),
+    st.sets(st.integers(1, 64), max_size=4),
 )
-def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base):
+def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base, known):
     # Any bill that never shrinks as the pages grow: weights and scratch of 10 a page, and
     # temporaries growing by steps drawn at random (flat, linear or neither).
     from jaxlm.planner import PAGE, _fit
@@ -446,4 +447,11 @@ def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base)
     fits = [p for p in range(1, 65) if floor(p * PAGE) + temporaries[p] <= limit]
     assert (fitted and fitted.seq) == (max(fits) * PAGE if fits else None)
     # Three guesses, then a bisection of what is left.
+    assert len(compiled) <= 1 + 3 + 6
+    # Bills of plans built before (a plan of the same sizes, a budget before) lead to the same
+    # plan, with no more compilations.
+    bills = [(p, floor(p * PAGE) + temporaries[p]) for p in known]
+    compiled.clear()
+    again = _fit(make, floor, limit, config, bills)
+    assert (again and again.seq) == (fitted and fitted.seq)
     assert len(compiled) <= 1 + 3 + 6
