@@ -296,8 +296,8 @@ def plan(
     `"start"` (the prefill and first token alone, as `stream` begins) and `"decode"` (the decode
     loop alone, as `stream` runs it between chunks), and `"start_masked"` and `"decode_masked"`,
     the same with each row's token mask (`response_format`, a token a call). Prompts shorter
-    than `prefill_chunk` run
-    executables of their own bucket, compiled on first use; their temporaries are smaller.
+    than `prefill_chunk` run executables of their own bucket, compiled on first use; their
+    temporaries are smaller.
     Works on abstract models (`nnx.eval_shape`) too.
 
     On a model sharded over a mesh (`jaxlm.load(..., mesh=...)` or `jaxlm.shard`), every slot
@@ -362,9 +362,9 @@ def plan(
         return built
 
     def known() -> list[tuple[int, int]]:
-        # The bills of the plans of whole pages built before at these sizes.
-        bills = ((seq, engine.bills.get(key(seq))) for (_, seq, _, _) in list(engine.bills))
-        return [(seq // PAGE, bill) for seq, bill in bills if bill and seq % PAGE == 0]
+        # `(pages, bill)` of the plans of whole pages built before with these rows and steps.
+        built = list(engine.bills.items())
+        return [(k[1] // PAGE, bill) for k, bill in built if k == key(k[1]) and k[1] % PAGE == 0]
 
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
