@@ -460,25 +460,3 @@ def _fit(make, floor, limit: int, config, known=()) -> object | None:
         best = candidate if candidate.total_bytes <= limit else best
     # A plan compiled last fitted with `lo` pages; without one, `lo` is a bill known before.
     return best if best is not None or not lo else make(lo * PAGE)
-    # (pages, temporaries) of the plans compiled, the latest last.
-    seen = [(0, 0), (top, best.total_bytes - floor(top * PAGE))]
-
-    def line(pages: int) -> int:
-        (p0, t0), (p1, t1) = seen[-2:]
-        return t0 + (t1 - t0) * (pages - p0) // (p1 - p0)
-
-    # `lo` pages fit (0: none known to), more than `hi` do not.
-    lo, hi, best = 0, top - 1, None
-    while lo < hi:
-        # Bisection after three guesses, should the temporaries follow no line.
-        guess = most_pages(hi, line) if len(seen) < 5 else (lo + hi + 1) // 2
-        probe = min(hi, max(lo + 1, guess))
-        candidate = make(probe * PAGE)
-        temporaries = candidate.total_bytes - floor(probe * PAGE)
-        seen.append((probe, temporaries))
-        if candidate.total_bytes <= limit:
-            best, lo = candidate, probe
-            hi = most_pages(hi, lambda pages, t=temporaries: t)
-        else:
-            hi = probe - 1
-    return best
