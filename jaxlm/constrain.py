@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -179,8 +180,6 @@ class Grammars:
     may exceed the tokenizer's) and the tokenizer's end-of-sequence tokens."""
 
     def __init__(self, tokenizer, vocab_size: int):
-        if tokenizer is None:
-            raise GrammarError("`response_format` needs the model's tokenizer")
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lock = threading.Lock()
         self._ll = None
@@ -225,6 +224,22 @@ class Grammars:
         rest = [(m._m, r) for m, r in rows if m.first is None]
         if rest:
             lln.fill_next_token_bitmask_par(self._executor, rest, mask)
+
+
+_GRAMMARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GRAMMARS_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer, vocab_size: int) -> Grammars:
+    """The one `Grammars` of `tokenizer` at `vocab_size`, shared by `generate` and every engine
+    of the process: `llguidance`'s tokenizer takes a while to build and holds the vocabulary."""
+    if tokenizer is None:
+        raise GrammarError("`response_format` needs the model's tokenizer")
+    with _GRAMMARS_LOCK:
+        by_size = _GRAMMARS.setdefault(tokenizer, {})
+        if vocab_size not in by_size:
+            by_size[vocab_size] = Grammars(tokenizer, vocab_size)
+        return by_size[vocab_size]
 
 
 class GrammarRows:

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import math
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxlm import stops
-from jaxlm.constrain import GrammarRows, Grammars, grammar_of
+from jaxlm.constrain import GrammarRows, grammar_of, grammars_for
 from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
 from jaxlm.errors import PlanError
 from jaxlm.planner import Plan, plan
@@ -104,8 +103,6 @@ def _data_devices(model) -> int:
 
 
 _PLAN_LOCK = threading.Lock()
-# The grammars compiled for each tokenizer (`response_format`).
-_GRAMMARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # The steps `generate` runs (prefill and decode in one call), and those `stream` runs: the
@@ -427,11 +424,7 @@ def _constrained(model, tokenizer, response_format, n: int) -> GrammarRows | Non
     grammar = grammar_of(response_format)
     if grammar is None:
         return None
-    with _PLAN_LOCK:
-        grammars = _GRAMMARS.get(tokenizer)
-        if grammars is None:
-            grammars = _GRAMMARS[tokenizer] = Grammars(tokenizer, model.config.vocab_size)
-    return GrammarRows(grammars, grammar, n)
+    return GrammarRows(grammars_for(tokenizer, model.config.vocab_size), grammar, n)
 
 
 def _calls(model, tokenizer, req: Request, given, chunk_tokens, constrained, cut=lambda: False):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from serve_helpers import assert_openai_error, idle
 
 import jaxlm
+from jaxlm import constrain
 
 MODEL = "smollm2"
 
@@ -137,6 +138,8 @@ def test_generate_stream_and_chat_hold_to_a_schema_as_the_engine_does(served):
     short = jaxlm.generate(model, tokenizer, prompts[0], max_new_tokens=3, response_format=Paint)
     assert short.finish_reasons == ["length"] and short.texts[0].startswith("{")
     assert len(short.token_ids[0]) == 3
+    # `generate` and the engine compiled their grammars with one `llguidance` tokenizer.
+    assert engine._grammars is constrain.grammars_for(tokenizer, model.config.vocab_size)
 
 
 def test_regex_and_choice_are_met_exactly_with_sampling(client):

@@ -24,7 +24,7 @@ from jaxlm.batching.pages import PagePool
 from jaxlm.batching.plan import EnginePlan, plan_engine
 from jaxlm.batching.scheduler import Batch, Scheduler
 from jaxlm.batching.step import TOP_LOGPROBS
-from jaxlm.constrain import Grammars, grammar_of
+from jaxlm.constrain import Grammars, grammar_of, grammars_for
 from jaxlm.requests import check_penalties, is_int, parse_request
 
 
@@ -131,7 +131,7 @@ class LLMEngine:
         self.generated_tokens = 0
         self.finished = 0
         self._handles: dict[int, RequestHandle] = {}
-        # Grammars compile for the tokenizer on the first constrained request.
+        # The tokenizer's grammars (`constrain.grammars_for`), on the first constrained request.
         self._grammars: Grammars | None = None
         self._mask: np.ndarray | None = None
         self.grammar_masks, self.grammar_mask_seconds = 0, 0.0
@@ -330,9 +330,7 @@ class LLMEngine:
         )
         grammar, matcher = grammar_of(response_format), None
         if grammar is not None:
-            with self._wake:
-                if self._grammars is None:
-                    self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+            self._grammars = grammars_for(self.tokenizer, self.model.config.vocab_size)
             # Compiling takes a while for a large schema: not under the engine's lock.
             matcher = self._grammars.matcher(grammar)
         with self._wake:
