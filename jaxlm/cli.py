@@ -150,10 +150,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled executables on disk, so a second start skips XLA compilation."""
+    """Keep compiled executables on disk, so a second start skips XLA compilation: in JAX's
+    own `JAX_COMPILATION_CACHE_DIR` where that is set, else under `JAXLM_CACHE_DIR`."""
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR / "xla"))
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -153,3 +153,20 @@ def test_plan_of_int8_weights(env):
     assert f"weights: {expected / 2**20:.2f} MiB" in out.stdout
     out = run(env, "plan", "--quantize", "int8", "--dtype", "float16")
     assert out.returncode == 2 and "`dtype` float16 is not accepted" in out.stderr
+
+
+@pytest.mark.parametrize("jax_dir", ["", "jax-cache"])
+def test_the_compilation_cache_is_jaxs_own_where_it_is_set(tmp_path, jax_dir):
+    code = (
+        "import jax; from jaxlm import cli; cli.enable_compilation_cache(); "
+        "print(jax.config.jax_compilation_cache_dir)"
+    )
+    env = {
+        **os.environ,
+        "JAXLM_CACHE_DIR": str(tmp_path / "jaxlm"),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / jax_dir) if jax_dir else "",
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    expected = tmp_path / jax_dir if jax_dir else tmp_path / "jaxlm" / "xla"
+    assert out.stdout.strip() == str(expected)
