@@ -153,7 +153,7 @@ def make_workloads(
     import jax
 
     import jaxlm
-    from jaxlm.generate import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
+    from jaxlm.plans import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
 
     p = bucket(len(prompt), MIN_PROMPT_BUCKET)
     plan = jaxlm.plan(

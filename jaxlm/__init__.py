@@ -12,7 +12,7 @@ from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.config import ModelConfig
 from jaxlm.diagnostics import CompileCounter
 from jaxlm.errors import JaxlmError, LoadError, PlanError
-from jaxlm.generate import GenerationPlans, GenerationResult, chat, generate, plans_of, stream
+from jaxlm.generate import GenerationResult, chat, generate, stream
 from jaxlm.loading import load
 from jaxlm.memory import ScratchSpec
 from jaxlm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -21,6 +21,7 @@ from jaxlm.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from jaxlm.models.olmo2 import Olmo2ForCausalLM
 from jaxlm.models.phi3 import Phi3ForCausalLM
 from jaxlm.planner import Plan, plan
+from jaxlm.plans import GenerationPlans, plans_of
 from jaxlm.quantization import quantize
 from jaxlm.sharding import ShardingError, shard
 from jaxlm.tokenizer import Tokenizer

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import sampling, stops
+from jaxlm import sampling, speculative, stops
 from jaxlm.memory import (
     Layout,
     ScratchSpec,
@@ -72,13 +72,18 @@ class DecodeState(nnx.Module):
         self.tail = ScratchSpec(
             ("batch", stops.TAIL), jnp.int32, axes=("batch", None), doc="last bytes of the text"
         )
+        self.drafted = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="tokens drafted")
+        self.accepted = ScratchSpec(
+            ("batch",), jnp.int32, axes=("batch",), doc="drafted tokens kept"
+        )
 
 
 def _forward(model, scratch, ids, last):
     """Run `ids` `[B, T]`, the tokens of slots `index ..` of every row, over the rows' pages;
-    returns the logits of column `last` and the scratch with the pages written and `index`
-    advanced. Row `b` owns pages `b * per_row ..` in order (`page_count`), and its slot `s`
-    is position `s - start[b]` (negative: padding, not written)."""
+    returns the logits of column `last` (of every column where `last` is None) and the scratch
+    with the pages written and `index` advanced. Row `b` owns pages `b * per_row ..` in order
+    (`page_count`), and its slot `s` is position `s - start[b]` (negative: padding, not
+    written)."""
     d = scratch["decode"]
     b, t = ids.shape
     num_pages = scratch["model"]["layers"][0]["self_attn"]["k_pages"].shape[0]
@@ -88,7 +93,7 @@ def _forward(model, scratch, ids, last):
         input_ids=ids,
         positions=jnp.where(positions >= 0, positions, -1),
         table=table,
-        last=jnp.full((b,), last, jnp.int32),
+        last=None if last is None else jnp.full((b,), last, jnp.int32),
     )
     (logits,), cache = model.forward_paged([group], {"model": scratch["model"]})
     decode = {**d, "index": d["index"] + t}
@@ -123,28 +128,37 @@ def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
     return jax.lax.fori_loop(0, n_chunks, run, (state, logits0))
 
 
-def _sample_next(scratch, logits, params, stop, mask):
-    """Sample the token of slot `index` and record it in the decode state; with a `mask`
-    (`[B, ceil(vocab / 32)]` bits), only among the tokens it allows."""
-    d = scratch["decode"]
-    index = d["index"]
-    slots = jnp.arange(d["tokens"].shape[1])
-    seen = (slots[None, :] >= d["start"][:, None]) & (slots[None, :] < index)
-    penalty = params["repetition_penalty"]
+def _choose(d, logits, params, slots, mask=None):
+    """Each row's token at each of `slots` `[T]` from `logits` `[B, T, V]`, the logits before
+    those slots; a row's tokens before each slot penalized, and with a `mask` (`[B, ceil(vocab /
+    32)]` bits) only among the tokens it allows. The key of a row's token at slot `s` is
+    `fold_in(rng, s - prompt_end)`, however many tokens a step samples."""
+    b, t, _ = logits.shape
+    rows = lambda x: jnp.repeat(x, t, axis=0)
+    every = jnp.arange(d["tokens"].shape[1])
+    seen = (every >= d["start"][:, None, None]) & (every < slots[None, :, None])
+    penalty = rows(params["repetition_penalty"])
     # The penalty scatters over the whole vocabulary; most requests do not use it.
-    logits = jax.lax.cond(
+    x = jax.lax.cond(
         jnp.any(penalty != 1.0),
-        lambda x: sampling.apply_repetition_penalty(x, d["tokens"], seen, penalty),
+        lambda x: sampling.apply_repetition_penalty(
+            x, rows(d["tokens"]), seen.reshape(b * t, -1), penalty
+        ),
         lambda x: x,
-        logits,
+        logits.reshape(b * t, -1),
     )
     if mask is not None:
-        logits = sampling.apply_bitmask(logits, mask)
-    step = index - d["prompt_end"]
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(d["rng"], step)
-    token = sampling.sample(
-        logits, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
-    )
+        x = sampling.apply_bitmask(x, rows(mask))
+    fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, None))
+    keys = fold(d["rng"], slots - d["prompt_end"]).reshape(b * t, -1)
+    p = {k: rows(params[k]) for k in ("temperature", "top_k", "top_p", "min_p")}
+    token = sampling.sample(x, keys, p["temperature"], p["top_k"], p["top_p"], p["min_p"])
+    return token.reshape(b, t)
+
+
+def _record(d, token, slot, stop):
+    """The decode state with each row's `token` `[B]` at `slot`: counted unless a stop token,
+    and the row done at a stop token or a complete stop string."""
     is_stop = jnp.any(token[:, None] == stop["ids"][None, :], axis=1)
     # The token that completes a stop string counts as generated: the host cuts the text.
     tail, at_string = jax.lax.cond(
@@ -154,14 +168,20 @@ def _sample_next(scratch, logits, params, stop, mask):
         d["tail"],
     )
     done = d["done"]
-    decode = {
+    return {
         **d,
-        "tokens": write_cache(d["tokens"], token[:, None], index, axis=1),
+        "tokens": write_cache(d["tokens"], token[:, None], slot, axis=1),
         "num_generated": d["num_generated"] + (~done & ~is_stop),
         "done": done | is_stop | at_string,
         "tail": tail,
     }
-    return {**scratch, "decode": decode}
+
+
+def _sample_next(scratch, logits, params, stop, mask):
+    """Sample the token of slot `index` and record it in the decode state."""
+    d = scratch["decode"]
+    token = _choose(d, logits[:, None], params, d["index"][None], mask)[:, 0]
+    return {**scratch, "decode": _record(d, token, d["index"], stop)}
 
 
 def start(model, scratch, prompt, lengths, rng, params, stop, chunk, mask=None):
@@ -178,27 +198,90 @@ def start(model, scratch, prompt, lengths, rng, params, stop, chunk, mask=None):
         "num_generated": jnp.zeros((b,), jnp.int32),
         "prompt_end": jnp.int32(p),
         "tail": jnp.full(d["tail"].shape, -1, jnp.int32),
+        "drafted": jnp.zeros((b,), jnp.int32),
+        "accepted": jnp.zeros((b,), jnp.int32),
     }
     return _sample_next({**scratch, "decode": d}, logits, params, stop, mask)
+
+
+def _generated(s):
+    return s["decode"]["index"] - s["decode"]["prompt_end"] + 1
+
+
+def _running(s, limit):
+    return (_generated(s) < limit) & ~jnp.all(s["decode"]["done"])
+
+
+def _one_token(model, s, params, stop, mask):
+    token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], s["decode"]["index"], 1, 1)
+    logits, s = _forward(model, s, token, 0)
+    return _sample_next(s, logits, params, stop, mask)
 
 
 def decode_loop(model, scratch, params, stop, limit, mask=None):
     """Decode until every row is done or `limit` tokens have been sampled in all; with a `mask`,
     each token among those it allows (a grammar's mask holds for one token: the host gives the
     next `limit` one more than the tokens sampled)."""
+    return jax.lax.while_loop(
+        lambda s: _running(s, limit),
+        lambda s: _one_token(model, s, params, stop, mask),
+        scratch,
+    )
 
-    def generated(s):
-        return s["decode"]["index"] - s["decode"]["prompt_end"] + 1
 
-    def cond(s):
-        return (generated(s) < limit) & ~jnp.all(s["decode"]["done"])
+def decode_loop_ngram(model, scratch, params, stop, limit):
+    """`decode_loop` with prompt-lookup drafts (`jaxlm.speculative`): a step where every
+    unfinished row drafts runs each row's last token and its drafts as one chunk and keeps what
+    they accept, otherwise one token; the tokens are those `decode_loop` gives."""
+    seq = scratch["decode"]["tokens"].shape[1]
+
+    def drafts(s):
+        """The rows' drafts, and whether the next step verifies them."""
+        d = s["decode"]
+        drafts, found = speculative.propose(d["tokens"], d["start"], d["index"])
+        room = (d["index"] + speculative.DRAFT < seq) & (limit - _generated(s) > 1)
+        return drafts, jnp.all(found | d["done"]) & room & _running(s, limit)
+
+    def verify(s):
+        d = s["decode"]
+        proposed, _ = drafts(s)
+        index, done, left = d["index"], d["done"], limit - _generated(s) - 1
+        # The drafts take their slots first, so that each position's penalty sees those before.
+        tokens = jax.lax.dynamic_update_slice(d["tokens"], proposed, (0, index + 1))
+        ids = jax.lax.dynamic_slice_in_dim(tokens, index, speculative.DRAFT + 1, 1)
+        logits, s = _forward(model, {**s, "decode": {**d, "tokens": tokens}}, ids, None)
+        slots = index + 1 + jnp.arange(speculative.DRAFT + 1, dtype=jnp.int32)
+        sampled = _choose(s["decode"], logits, params, slots)
+        keep = jnp.minimum(speculative.accepted(sampled, proposed, done), left)
+        d = jax.lax.fori_loop(
+            0,
+            keep + 1,
+            lambda j, d: _record(d, sampled[:, j], slots[j], stop),
+            s["decode"],
+        )
+        d = {
+            **d,
+            "index": index + 1 + keep,
+            "drafted": d["drafted"] + jnp.where(done, 0, speculative.DRAFT),
+            "accepted": d["accepted"] + jnp.where(done, 0, keep),
+        }
+        return {**s, "decode": d}
 
     def body(s):
-        token = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], s["decode"]["index"], 1, 1)
-        logits, s = _forward(model, s, token, 0)
-        return _sample_next(s, logits, params, stop, mask)
+        # Single tokens until every row drafts, then one chunk: loops rather than a `lax.cond`,
+        # whose branches XLA:CPU gives copies of the pages (see `docs/performance.md`,
+        # "Speculative decoding").
+        s = jax.lax.while_loop(
+            lambda s: _running(s, limit) & ~drafts(s)[1],
+            lambda s: _one_token(model, s, params, stop, None),
+            s,
+        )
+        s, _ = jax.lax.while_loop(
+            lambda c: c[1] & drafts(c[0])[1], lambda c: (verify(c[0]), False), (s, True)
+        )
+        return s
 
-    return jax.lax.while_loop(cond, body, scratch)
+    return jax.lax.while_loop(lambda s: _running(s, limit), body, scratch)
 
 
 class Engine:
@@ -236,6 +319,8 @@ class Engine:
         self.start = self.jitted("start")
         self.decode_loop = self.jitted("decode")
         self.generate = self.jitted("generate")
+        self.generate_ngram = self.jitted("generate_ngram")
+        self.decode_ngram = self.jitted("decode_ngram")
         # Plans made by `generate` for requests without one, by bucketed shape.
         self.plans: dict = {}
         # The bill of every plan built, by its sizes: a budget's search starts from them.
@@ -302,6 +387,11 @@ def _generate(model, scratch, prompt, lengths, rng, params, stop, limit, chunk):
     return decode_loop(model, scratch, params, stop, limit)
 
 
+def _generate_ngram(model, scratch, prompt, lengths, rng, params, stop, limit, chunk):
+    scratch = start(model, scratch, prompt, lengths, rng, params, stop, chunk)
+    return decode_loop_ngram(model, scratch, params, stop, limit)
+
+
 # Each step run by a plan, and its static arguments.
 # A `_masked` step takes each row's token mask (`mask=`): the steps of rows under a grammar.
 _STEP_FUNCTIONS = {
@@ -310,6 +400,8 @@ _STEP_FUNCTIONS = {
     "decode": (decode_loop, ()),
     "start_masked": (start, ("chunk",)),
     "decode_masked": (decode_loop, ()),
+    "generate_ngram": (_generate_ngram, ("chunk",)),
+    "decode_ngram": (decode_loop_ngram, ()),
 }
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -355,6 +447,10 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
         "start": ((params, scratch, *prompt), {"chunk": chunk}),
         "decode": ((params, scratch, x["params"], x["stops"], x["limit"]), {}),
     }
+    arguments["generate_ngram"], arguments["decode_ngram"] = (
+        arguments["generate"],
+        arguments["decode"],
+    )
     for name in ("start", "decode"):
         args, kwargs = arguments[name]
         arguments[f"{name}_masked"] = (args, {**kwargs, "mask": x["mask"]})

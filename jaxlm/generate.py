@@ -5,24 +5,14 @@
 not involved per token, so the calling thread holds no GIL while the model runs. `stream` runs
 the same loop in chunks of a few tokens per call, with the scratch donated from call to call.
 
-Shapes are bucketed so that new requests rarely compile:
-- the batch is padded to a power of two (1, 2, 4, 8, ...) rows;
-- prompts are left-padded to a power of two of at least 16 tokens (16, 32, 64, ...), and
-  prompts longer than the plan's prefill chunk to a multiple of it;
-- `max_new_tokens` is rounded up to a power of two of at least 16 for the size of the cache;
-  the loop itself stops at the exact number asked for, which is a traced value;
-- sampling parameters are traced per-row values: changing them never compiles.
-Without a `plan`, one is made for the bucketed shape (batch, prompt + new tokens) and kept for
-later requests of the same shape: the `KEPT_PLANS` most recent are kept, and only the one in
-use holds scratch between calls (`jaxlm.plans_of`).
+The plans they make and keep, and the bucketed shapes that let requests share them, are
+`jaxlm.plans`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import threading
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -31,22 +21,22 @@ from jax.experimental import multihost_utils
 
 from jaxlm import stops
 from jaxlm.constrain import GrammarRows, grammar_of, grammars_for
-from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
-from jaxlm.errors import PlanError
-from jaxlm.planner import Plan, plan
+from jaxlm.planner import Plan
+from jaxlm.plans import (
+    GENERATE,
+    GENERATE_NGRAM,
+    MASKED,
+    STREAM,
+    STREAM_NGRAM,
+    data_devices,
+    plan_for,
+    shapes,
+)
 from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_request
+from jaxlm.speculative import DRAFT, METHODS
 from jaxlm.stops import token_table
 
-MIN_PROMPT_BUCKET = 16
-MIN_NEW_TOKENS_BUCKET = 16
 STREAM_CHUNK = 8
-# The plans kept per model for the shapes requests ran; an older one compiles again if needed.
-KEPT_PLANS = 4
-
-
-def bucket(n: int, minimum: int) -> int:
-    """The power of two >= `n`, at least `minimum`."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 @dataclasses.dataclass
@@ -61,150 +51,18 @@ class GenerationResult:
     token_ids: list[list[int]]
     finish_reasons: list[str]
     prompt_token_ids: list[list[int]]
-
-
-def _shapes(req: Request, given: Plan | None, data: int = 1) -> tuple[int, int, int, int]:
-    """(batch rows, prompt length, cache length, prefill chunk) for a request; without a plan,
-    the rows are a multiple of `data`, the devices that split the batch.
-    """
-    n = len(req.prompts)
-    chunk = DEFAULT_PREFILL_CHUNK
-    longest = max(len(p) for p in req.prompts)
-    need = longest + req.max_new_tokens
-    if given is not None:
-        if n > given.max_batch:
-            raise PlanError(f"{n} prompts exceed the plan's `max_batch={given.max_batch}`")
-        seq, chunk = given.max_seq_len, given.prefill_chunk
-        if need > seq:
-            raise PlanError(
-                f"prompt of {longest} tokens + `max_new_tokens={req.max_new_tokens}` exceeds "
-                f"the plan's `max_seq_len={seq}`"
-            )
-        p = bucket(longest, MIN_PROMPT_BUCKET)
-        if p > chunk:
-            p = chunk * math.ceil(longest / chunk)
-        if p + req.max_new_tokens > seq:
-            p = longest if longest <= chunk else p
-        if p + req.max_new_tokens > seq:
-            raise PlanError(
-                f"prompt of {longest} tokens is prefilled in chunks of {chunk} and then needs "
-                f"{p} slots; with `max_new_tokens={req.max_new_tokens}` that exceeds the "
-                f"plan's `max_seq_len={seq}`"
-            )
-        return given.max_batch, p, seq, min(p, chunk)
-    p = bucket(longest, MIN_PROMPT_BUCKET)
-    rows = data * math.ceil(bucket(n, 1) / data)
-    return rows, p, p + bucket(req.max_new_tokens, MIN_NEW_TOKENS_BUCKET), min(p, chunk)
-
-
-def _data_devices(model) -> int:
-    partitioner = engine_of(model).partitioner
-    return partitioner.data if partitioner is not None else 1
-
-
-_PLAN_LOCK = threading.Lock()
-
-
-# The steps `generate` runs (prefill and decode in one call), and those `stream` runs: the
-# prefill and first token, then the decode loop chunk by chunk; under a grammar, the same with
-# each row's token mask, a token a call.
-_GENERATE, _STREAM, _MASKED = ("generate",), ("start", "decode"), ("start_masked", "decode_masked")
-
-
-def _plan_for(
-    model, batch: int, p: int, seq: int, chunk: int, given: Plan | None, steps: tuple[str, ...]
-) -> Plan:
-    if given is not None:
-        if given.engine is not engine_of(model):
-            raise PlanError("`plan` was made for another model")
-        return given
-    engine = engine_of(model)
-    # The plan compiles the steps of this request for exactly its prompt bucket, so the
-    # executables it accounts for are the ones the request runs.
-    key = (batch, p, seq, steps)
-    with _PLAN_LOCK:
-        plans = engine.plans
-        the_plan = plans.pop(key, None)
-        if the_plan is None:
-            the_plan = plan(
-                model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk, steps=steps
-            )
-        plans[key] = the_plan  # the most recent last
-        # Only the plan in use keeps scratch between requests, and the `KEPT_PLANS` most
-        # recent keep their executables: a model's memory stays within its largest plan's bill.
-        for other in list(plans.values())[:-1]:
-            other.release()
-        the_plan.pooling = True
-        while len(plans) > KEPT_PLANS:
-            plans.pop(next(iter(plans)))
-        return the_plan
-
-
-class GenerationPlans:
-    """The plans `generate`, `stream` and `chat` keep for a model (`jaxlm.plans_of`), the most
-    recent first: each compiled for one bucketed shape (rows, prompt, cache length). Only the
-    most recent holds scratch between calls, and at most `KEPT_PLANS` are kept; `clear()` frees
-    them all.
-
-    Example:
-        >>> jaxlm.generate(model, tokenizer, "Hello", max_new_tokens=8)
-        >>> plans = jaxlm.plans_of(model)
-        >>> plans                        # each plan's shapes and bill, and which holds scratch
-        >>> plans.clear()                # the next call plans again
-    """
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def _plans(self) -> list[Plan]:
-        with _PLAN_LOCK:
-            return list(self._engine.plans.values())[::-1]
-
-    def __iter__(self) -> Iterator[Plan]:
-        return iter(self._plans())
-
-    def __len__(self) -> int:
-        return len(self._engine.plans)
-
-    def __getitem__(self, i: int) -> Plan:
-        return self._plans()[i]
-
-    def clear(self) -> None:
-        """Drop every plan, its executables and its scratch (requests running keep theirs)."""
-        with _PLAN_LOCK:
-            for p in self._engine.plans.values():
-                p.release()
-            self._engine.plans.clear()
-
-    def __repr__(self) -> str:
-        rows = [f"  {p!r}" + (", holds its scratch" if p.pooled else "") for p in self._plans()]
-        return "\n".join(
-            [f"{len(rows)} plans (at most {KEPT_PLANS}), the most recent first:", *rows]
-        )
-
-
-def plans_of(model) -> GenerationPlans:
-    """The plans `generate`, `stream` and `chat` keep for `model`; see `GenerationPlans`."""
-    return GenerationPlans(engine_of(model))
-
-
-def request_plan(
-    model, batch: int, prompt_len: int, max_new_tokens: int, streaming: bool = False
-) -> Plan:
-    """The plan `generate` (or, with `streaming`, `stream`) makes and caches for `batch` prompts
-    of at most `prompt_len` tokens and `max_new_tokens`.
-    """
-    req = Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
-    rows, p, seq, chunk = _shapes(req, None, _data_devices(model))
-    return _plan_for(model, rows, p, seq, chunk, None, _STREAM if streaming else _GENERATE)
+    # With `speculative`: each row's tokens drafted, and those of them kept.
+    drafted_tokens: list[int] = dataclasses.field(default_factory=list)
+    accepted_tokens: list[int] = dataclasses.field(default_factory=list)
 
 
 def _prepare(
     model, tokenizer, req: Request, given: Plan | None, steps: tuple[str, ...]
 ) -> tuple[Plan, int, dict]:
     """The plan of a request that runs `steps`, its prefill chunk, and its padded inputs."""
-    batch, p, seq, chunk = _shapes(req, given, _data_devices(model))
-    the_plan = _plan_for(model, batch, p, seq, chunk, given, steps)
+    spare = DRAFT if steps[-1].endswith("_ngram") else 0
+    batch, p, seq, chunk = shapes(req, given, data_devices(model), spare)
+    the_plan = plan_for(model, batch, p, seq, chunk, given, steps)
     x = _inputs(req, batch, p)
     x["stops"] = _stops(tokenizer, req, model.config.vocab_size)
     return the_plan, chunk, x
@@ -266,6 +124,21 @@ def _read_rows(scratch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int
     )
 
 
+def _drafts(scratch, n: int) -> dict:
+    d = scratch["decode"]
+    return dict(
+        drafted_tokens=_fetch(d["drafted"])[:n].tolist(),
+        accepted_tokens=_fetch(d["accepted"])[:n].tolist(),
+    )
+
+
+def _check_speculative(speculative, response_format) -> None:
+    if speculative is not None and speculative not in METHODS:
+        raise ValueError(f"`speculative` must be one of {METHODS} or None, got {speculative!r}")
+    if speculative is not None and response_format is not None:
+        raise ValueError("`speculative` and `response_format` do not combine: give one")
+
+
 def generate(
     model,
     tokenizer,
@@ -282,6 +155,7 @@ def generate(
     stop: str | Sequence[str] | None = None,
     plan: Plan | None = None,
     response_format=None,
+    speculative: str | None = None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` in one XLA call.
 
@@ -295,6 +169,10 @@ def generate(
     `{"type": "json_schema", ...}`, a Pydantic model class or a `jaxlm.constrain.Grammar`);
     a row ends (`"stop"`) when its grammar is complete. Each token's mask comes from the host,
     so a constrained request runs one call per token rather than one in all.
+
+    `speculative="ngram"` drafts tokens from each prompt's own text (`jaxlm.speculative`) and
+    checks them in the same call: the same tokens, fewer steps where the output repeats the
+    input; `drafted_tokens` and `accepted_tokens` of the result count them.
 
     Example:
         >>> out = jaxlm.generate(model, tokenizer, ["The capital of France is"], max_new_tokens=8)
@@ -316,13 +194,17 @@ def generate(
         stop=stop,
         plan=plan,
     )
+    _check_speculative(speculative, response_format)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
     if constrained is not None:
-        *_, (tokens, counts, done, _) = _calls(model, tokenizer, req, plan, None, constrained)
+        *_, (tokens, counts, done, _) = _calls(
+            model, tokenizer, req, plan, None, constrained, MASKED
+        )
         return _result(tokenizer, req, tokens, counts, done)
-    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, _GENERATE)
+    steps = GENERATE if speculative is None else GENERATE_NGRAM
+    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, steps)
     engine = the_plan.engine
-    scratch = the_plan.step("generate", x["prompt"].shape[1], chunk)(
+    scratch = the_plan.step(steps[0], x["prompt"].shape[1], chunk)(
         engine.params,
         the_plan.take(),
         x["prompt"],
@@ -333,12 +215,13 @@ def generate(
         np.int32(req.max_new_tokens),
     )
     tokens, counts, done, start = _read_rows(scratch, len(req.prompts))
+    drafts = _drafts(scratch, len(req.prompts))
     the_plan.keep(scratch)
     the_plan.ran()
-    return _result(tokenizer, req, tokens[:, start:], counts, done)
+    return _result(tokenizer, req, tokens[:, start:], counts, done, drafts)
 
 
-def _result(tokenizer, req: Request, tokens, counts, done) -> GenerationResult:
+def _result(tokenizer, req: Request, tokens, counts, done, drafts=None) -> GenerationResult:
     # `tokens[i, :counts[i]]` are row `i`'s, stop tokens left out.
     texts, token_ids, reasons = [], [], []
     for i in range(len(req.prompts)):
@@ -346,7 +229,7 @@ def _result(tokenizer, req: Request, tokens, counts, done) -> GenerationResult:
         texts.append(text)
         token_ids.append(ids)
         reasons.append("stop" if stopped or done[i] else "length")
-    return GenerationResult(texts, token_ids, reasons, req.prompts)
+    return GenerationResult(texts, token_ids, reasons, req.prompts, **(drafts or {}))
 
 
 def stream(
@@ -366,13 +249,14 @@ def stream(
     plan: Plan | None = None,
     chunk_tokens: int = STREAM_CHUNK,
     response_format=None,
+    speculative: str | None = None,
 ) -> Iterator[str] | Iterator[list[str]]:
     """Yield text as it is generated; the same arguments and tokens as `generate`.
 
     For one prompt (a string or one list of ids) it yields strings; for a list of prompts, a
     list with one piece per prompt (empty when a row has nothing new). The loop runs in calls of
     `chunk_tokens` tokens (one under a `response_format`), the scratch donated from one call to
-    the next.
+    the next. `speculative` is `generate`'s.
 
     Example:
         >>> for piece in jaxlm.stream(model, tokenizer, "Tell me a story", max_new_tokens=64):
@@ -397,11 +281,13 @@ def stream(
         stop=stop,
         plan=plan,
     )
+    _check_speculative(speculative, response_format)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
-    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained)
+    steps = MASKED if constrained is not None else STREAM if speculative is None else STREAM_NGRAM
+    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained, steps)
 
 
-def _stream(model, tokenizer, req: Request, given, chunk_tokens: int, constrained):
+def _stream(model, tokenizer, req: Request, given, chunk_tokens: int, constrained, steps):
     detok = [Detokenizer(tokenizer, req.stop) for _ in req.prompts]
 
     def cut() -> bool:
@@ -409,7 +295,7 @@ def _stream(model, tokenizer, req: Request, given, chunk_tokens: int, constraine
         return all(d.finished for d in detok)
 
     for tokens, counts, done, final in _calls(
-        model, tokenizer, req, given, chunk_tokens, constrained, cut
+        model, tokenizer, req, given, chunk_tokens, constrained, steps, cut
     ):
         pieces = [
             d.update(tokens[i, : counts[i]].tolist(), final or bool(done[i]))
@@ -427,14 +313,15 @@ def _constrained(model, tokenizer, response_format, n: int) -> GrammarRows | Non
     return GrammarRows(grammars_for(tokenizer, model.config.vocab_size), grammar, n)
 
 
-def _calls(model, tokenizer, req: Request, given, chunk_tokens, constrained, cut=lambda: False):
-    """Run `stream`'s calls: the prefill and first token, then the decode loop `chunk_tokens`
-    tokens at a time, or one at a time under the rows' grammars (`constrained`), until every
-    row is done or `cut()`. After each call yields each row's tokens `[rows, n]`, their counts
-    (stop tokens left out), whether each row is done (a stop token, or its grammar complete)
-    and whether the call was the last.
+def _calls(
+    model, tokenizer, req: Request, given, chunk_tokens, constrained, steps, cut=lambda: False
+):
+    """Run `stream`'s calls (`steps`): the prefill and first token, then the decode loop
+    `chunk_tokens` tokens at a time, or one at a time under the rows' grammars (`constrained`),
+    until every row is done or `cut()`. After each call yields each row's tokens `[rows, n]`,
+    their counts (stop tokens left out), whether each row is done (a stop token, or its grammar
+    complete) and whether the call was the last.
     """
-    steps = _STREAM if constrained is None else _MASKED
     the_plan, chunk, x = _prepare(model, tokenizer, req, given, steps)
     n, rows = len(req.prompts), x["prompt"].shape[0]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's

@@ -170,10 +170,9 @@ class Plan(Bill):
         return bool(self._pool)
 
     def step(self, name: str, prompt_len: int | None = None, chunk: int | None = None):
-        """The executable of step `name` (`"generate"`, `"start"` or `"decode"`, or the last
-        two `_masked`, which take `mask=`) for prompts of `prompt_len` tokens run in chunks of
-        `chunk`: the plan's own if it compiled that step for those shapes, otherwise the
-        engine's jitted step, compiled on first use.
+        """The executable of step `name` (one of `jaxlm.plan`'s `steps`) for prompts of
+        `prompt_len` tokens run in chunks of `chunk`: the plan's own if it compiled that step
+        for those shapes, otherwise the engine's jitted step, compiled on first use.
 
         The plan's executable is the one its bill accounts for, and calling it skips the trace
         that a call through the jitted step would make again.
@@ -182,7 +181,7 @@ class Plan(Bill):
         if name in self.compiled and (decode or prompt_len == chunk == self.prefill_chunk):
             return self.compiled[name]
         if decode:
-            return self.engine.decode_loop
+            return self.engine.decode_ngram if name == "decode_ngram" else self.engine.decode_loop
         return functools.partial(getattr(self.engine, name.removesuffix("_masked")), chunk=chunk)
 
     def ran(self) -> None:
@@ -295,7 +294,9 @@ def plan(
     `prefill_chunk`-token prompt and the decode loop, in one call, as `generate` runs it),
     `"start"` (the prefill and first token alone, as `stream` begins) and `"decode"` (the decode
     loop alone, as `stream` runs it between chunks), and `"start_masked"` and `"decode_masked"`,
-    the same with each row's token mask (`response_format`, a token a call). Prompts shorter
+    the same with each row's token mask (`response_format`, a token a call), and
+    `"generate_ngram"` and `"decode_ngram"`, the same with prompt-lookup drafts
+    (`speculative="ngram"`). Prompts shorter
     than `prefill_chunk` run executables of their own bucket, compiled on first use; their
     temporaries are smaller.
     Works on abstract models (`nnx.eval_shape`) too.

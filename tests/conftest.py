@@ -114,6 +114,7 @@ FILE_SECONDS = {
     "test_int4.py": 35,
     "test_gguf.py": 35,
     "test_phi3.py": 25,
+    "test_speculative.py": 35,
     "test_paged.py": 20,
     "test_sampling.py": 20,
     "test_device_check.py": 20,

@@ -29,6 +29,24 @@ def test_greedy_generation_equals_llama_cpp(smollm2):
         assert tokenizer.decode(got) == case["greedy_text"]
 
 
+def test_greedy_generation_with_drafts_equals_llama_cpp(smollm2):
+    model, tokenizer = smollm2
+    accepted = 0
+    for case in REFERENCE["generations"]:
+        out = jaxlm.generate(
+            model,
+            tokenizer,
+            case["prompt_ids"],
+            max_new_tokens=32,
+            stop_token_ids=[],
+            speculative="ngram",
+        )
+        assert out.token_ids[0] == case["greedy_ids"], case["prompt"]
+        accepted += out.accepted_tokens[0]
+    # The continuations repeat themselves: drafts were kept, not only proposed.
+    assert accepted > 0
+
+
 def test_eos_stops_generation_by_default(smollm2):
     model, tokenizer = smollm2
     case = REFERENCE["generations"][0]

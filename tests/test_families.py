@@ -256,7 +256,8 @@ def assert_parity(model, hf):
         np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0, err_msg=side)
 
 
-def assert_same_greedy_tokens(model, hf):
+def assert_same_greedy_tokens(model, hf, speculative=(None,)):
+    """`generate`'s greedy tokens are transformers'; with each of `speculative`'s settings."""
     with torch.no_grad():
         ref = hf.generate(
             torch.tensor([PROMPT]),
@@ -265,8 +266,11 @@ def assert_same_greedy_tokens(model, hf):
             min_new_tokens=NEW_TOKENS,
             do_sample=False,
         )
-    out = jaxlm.generate(model, None, [PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
-    assert out.token_ids[0] == ref[0, len(PROMPT) :].tolist()
+    for how in speculative:
+        out = jaxlm.generate(
+            model, None, [PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculative=how
+        )
+        assert out.token_ids[0] == ref[0, len(PROMPT) :].tolist(), how
 
 
 def test_safetensors_equal_transformers(family):
@@ -274,7 +278,7 @@ def test_safetensors_equal_transformers(family):
     model, _ = jaxlm.load(path)
     assert type(model).__name__ == FAMILIES[name]["model"]
     assert_parity(model, hf)
-    assert_same_greedy_tokens(model, hf)
+    assert_same_greedy_tokens(model, hf, speculative=(None, "ngram"))
 
 
 def test_gguf_equals_transformers(family, tmp_path):

@@ -13,7 +13,7 @@ import transformers
 from conftest import CHATML, make_hf_model
 
 import jaxlm
-from jaxlm.generate import request_plan
+from jaxlm.plans import KEPT_PLANS, request_plan
 from jaxlm.requests import Detokenizer
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
@@ -310,7 +310,7 @@ def test_plans_kept_are_bounded_and_only_the_last_holds_scratch(tiny_llama):
         prompts = rng.integers(0, 90, (rows, length)).tolist()
         jaxlm.generate(model, None, prompts, max_new_tokens=4, stop_token_ids=[])
     plans = jaxlm.plans_of(model)
-    assert len(plans) == jaxlm.generate.__globals__["KEPT_PLANS"] == 4
+    assert len(plans) == KEPT_PLANS == 4
     assert [p.pooled for p in plans] == [True, False, False, False]
     # Beside the weights, what stays live is the scratch of one plan, at most the largest's.
     gc.collect()

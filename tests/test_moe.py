@@ -142,7 +142,7 @@ def test_safetensors_equal_transformers(moe):
     model, _ = jaxlm.load(path)
     assert type(model).__name__ == MOE[name]["model"]
     assert_parity(model, hf)
-    assert_same_greedy_tokens(model, hf)
+    assert_same_greedy_tokens(model, hf, speculative=(None, "ngram"))
 
 
 def test_stacked_experts_load_and_split_back(moe, tmp_path):

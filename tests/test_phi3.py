@@ -120,7 +120,7 @@ def test_safetensors_equal_transformers(phi3):
     model, _ = jaxlm.load(path)
     assert type(model).__name__ == "Phi3ForCausalLM"
     assert_parity(model, hf)
-    assert_same_greedy_tokens(model, hf)
+    assert_same_greedy_tokens(model, hf, speculative=(None, "ngram"))
 
 
 def test_gguf_equals_transformers(phi3, tmp_path):

@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 import jaxlm
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
-from jaxlm.generate import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jaxlm.loading import checkpoint_tensors, open_checkpoint
+from jaxlm.plans import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
 from jaxlm.requests import Detokenizer
 
 FUZZ = settings(

@@ -148,7 +148,7 @@ def _first_call(runner: JaxlmRunner, cell: tuple[int, int, int], prompts, label:
 
 def _drop_plans(runner: JaxlmRunner) -> None:
     """Free the plans of `runner`'s model: `generate` keeps the plans it made."""
-    from jaxlm.generate import plans_of
+    from jaxlm.plans import plans_of
 
     plans_of(runner.model).clear()
     gc.collect()

@@ -20,7 +20,7 @@ class JaxlmRunner:
 
     def plan(self, batch: int, prompt_len: int, new_tokens: int):
         """The plan `generate` makes for this cell."""
-        from jaxlm.generate import request_plan
+        from jaxlm.plans import request_plan
 
         return request_plan(self.model, batch, prompt_len, new_tokens)
 

@@ -1,0 +1,145 @@
+"""Prompt-lookup drafts (`speculative="ngram"`): the lookup against plain Python, and the
+tokens of `generate` and `stream` the same with and without drafts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm import speculative
+from jaxlm.speculative import DRAFT, NGRAM_SIZES
+
+# Prompts that repeat themselves, so that a tiny random model's continuations draft often.
+LOOPS = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4 + [9, 10]]
+
+
+def lookup(row: list[int], start: int, index: int) -> list[int] | None:
+    """The drafts of a row whose text is `row[start : index + 1]`, by the rule, in plain Python:
+    the latest earlier occurrence of its last `n` tokens, longest `n` first, and what followed
+    it, repeating with the occurrence's period past the row's end."""
+    text = row[start : index + 1]
+    for n in NGRAM_SIZES:
+        if len(text) < n:
+            continue
+        suffix = text[-n:]
+        for j in range(len(text) - n - 1, -1, -1):
+            if text[j : j + n] == suffix:
+                follow = list(text[j + n :])
+                while len(follow) < DRAFT:
+                    follow.append(follow[len(follow) - (len(text) - j - n)])
+                return follow[:DRAFT]
+    return None
+
+
+def test_drafts_are_what_followed_the_latest_earlier_occurrence():
+    rng = np.random.default_rng(0)
+    propose = jax.jit(speculative.propose)
+    for vocab in (2, 3, 5):
+        tokens = rng.integers(0, vocab, (64, 24)).astype(np.int32)
+        start = rng.integers(0, 12, 64).astype(np.int32)
+        for index in (11, 15, 23):
+            drafts, found = propose(jnp.asarray(tokens), jnp.asarray(start), jnp.int32(index))
+            for b in range(64):
+                want = lookup(tokens[b].tolist(), int(start[b]), index)
+                assert bool(found[b]) == (want is not None), (vocab, index, b)
+                if want is not None:
+                    assert drafts[b].tolist() == want, (vocab, index, b)
+
+
+def test_the_rows_keep_the_drafts_up_to_the_first_that_differs():
+    drafts = jnp.array([[1, 2, 3], [1, 2, 3], [4, 5, 6]])
+    sampled = jnp.array([[1, 2, 9, 0], [1, 2, 3, 7], [4, 0, 6, 1]])
+    done = jnp.array([False, False, False])
+    assert int(speculative.accepted(sampled, drafts, done)) == 1
+    assert int(speculative.accepted(sampled[:2], drafts[:2], done[:2])) == 2
+    # A finished row holds no one back.
+    assert int(speculative.accepted(sampled, drafts, jnp.array([False, True, True]))) == 2
+
+
+def _both(model, tokenizer, prompts, **kwargs):
+    plain = jaxlm.generate(model, tokenizer, prompts, **kwargs)
+    drafted = jaxlm.generate(model, tokenizer, prompts, speculative="ngram", **kwargs)
+    return plain, drafted
+
+
+@pytest.mark.parametrize("new_tokens", [7, 40])
+def test_greedy_tokens_are_the_same_with_drafts(tiny_llama, new_tokens):
+    model, _ = jaxlm.load(tiny_llama[0])
+    for prompts in (LOOPS[:1], LOOPS):
+        plain, drafted = _both(model, None, prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+        assert drafted.token_ids == plain.token_ids
+        assert drafted.finish_reasons == plain.finish_reasons
+        assert all(len(t) == new_tokens for t in drafted.token_ids)
+    assert plain.drafted_tokens == plain.accepted_tokens == [0, 0]
+    if new_tokens == 40:
+        # The model fell into loops, drafted and kept drafts: the chunks' tokens were checked.
+        assert min(drafted.accepted_tokens) > 0
+
+
+def test_seeded_samples_stop_tokens_and_penalties_are_the_same_with_drafts(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    # Sharper logits, so that samples fall into loops too.
+    model.lm_head.weight[...] = model.lm_head.weight[...] * 8
+    kwargs = dict(max_new_tokens=40, seed=7, stop_token_ids=[3])
+    sampled = dict(temperature=[0.6, 1.0], top_k=[0, 8], top_p=[0.9, 1.0])
+    plain, drafted = _both(model, None, LOOPS, **kwargs, **sampled)
+    assert drafted.token_ids == plain.token_ids
+    assert drafted.finish_reasons == plain.finish_reasons
+    assert max(drafted.drafted_tokens) > 0
+    # Each position's penalty counts the drafts before it as the row's tokens.
+    plain, drafted = _both(model, None, LOOPS, **kwargs, repetition_penalty=1.1)
+    assert drafted.token_ids == plain.token_ids
+    assert min(drafted.accepted_tokens) > 0
+
+
+def test_stream_yields_the_text_of_generate(tiny_chat):
+    model, tokenizer = jaxlm.load(tiny_chat)
+    prompt = "The capital of France is Paris. The capital of France is"
+    out = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=24, stop_token_ids=[])
+    pieces = list(
+        jaxlm.stream(
+            model,
+            tokenizer,
+            prompt,
+            max_new_tokens=24,
+            stop_token_ids=[],
+            speculative="ngram",
+            chunk_tokens=5,
+        )
+    )
+    assert len(pieces) > 1
+    assert "".join(pieces) == out.texts[0]
+    # A stop string ends the row as it does without drafts.
+    stop = out.texts[0][5:8]
+    plain, drafted = _both(model, tokenizer, prompt, max_new_tokens=24, stop=stop)
+    assert drafted.texts == plain.texts
+    assert drafted.finish_reasons == plain.finish_reasons == ["stop"]
+
+
+def test_a_planned_request_drafts_in_place_without_compiling(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=96, steps=("generate_ngram",))
+    kwargs = dict(plan=plan, stop_token_ids=[], speculative="ngram")
+    jaxlm.generate(model, None, LOOPS, max_new_tokens=8, **kwargs)
+    (held,) = plan._pool
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)]
+    with jaxlm.CompileCounter() as compiles:
+        out = jaxlm.generate(model, None, LOOPS[::-1], max_new_tokens=33, **kwargs)
+    assert compiles.builds == 0
+    assert min(out.accepted_tokens) > 0
+    (held,) = plan._pool
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)] == pointers
+
+
+def test_bad_speculative_arguments_are_refused(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0])
+    with pytest.raises(ValueError, match="`speculative` must be one of"):
+        jaxlm.generate(model, None, [1, 2], max_new_tokens=2, speculative="eagle")
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
+    with pytest.raises(ValueError, match="`speculative` and `response_format`"):
+        jaxlm.generate(
+            model, None, [1, 2], max_new_tokens=2, speculative="ngram", response_format=schema
+        )
