@@ -61,6 +61,10 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+# `jaxlm.speculative.METHODS`, named here so that parsing the arguments imports no JAX.
+SPECULATIVE = ("ngram",)
+
+
 def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--max-new-tokens", type=_positive_int, default=max_new)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -70,6 +74,12 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE,
+        default=None,
+        help="draft tokens from the prompt and check them in the same step (the same output)",
+    )
 
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -78,7 +88,7 @@ PLAN_STEPS = ("generate", "start", "decode")
 
 
 def _sampling(args) -> dict:
-    names = ("max_new_tokens", *SAMPLING_OPTIONS, "seed", "stop")
+    names = ("max_new_tokens", *SAMPLING_OPTIONS, "seed", "stop", "speculative")
     return {name: getattr(args, name) for name in names}
 
 

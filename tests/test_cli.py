@@ -27,7 +27,7 @@ def run(env, *args, stdin=None):
 
 def test_generate_streams_the_reference_continuation(env):
     case = REFERENCE["generations"][0]
-    out = run(env, "generate", case["prompt"], "--max-new-tokens", "8")
+    out = run(env, "generate", case["prompt"], "--max-new-tokens", "8", "--speculative", "ngram")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(" Paris.\n\nThe answer is")
     assert "Loading weights" not in out.stderr  # no progress bar when not on a terminal
@@ -88,6 +88,7 @@ def test_plan_over_budget(env):
         (("generate", "Hi", "--top-p", "1.5"), "`top_p`"),
         (("chat", "--repetition-penalty", "0"), "`repetition_penalty`"),
         (("generate", "Hi", "--dtype", "int4"), "--dtype"),
+        (("generate", "Hi", "--speculative", "eagle"), "invalid choice: 'eagle'"),
         (("plan", "--max-seq-len", "64", "--steps", "prefill"), "invalid choice: 'prefill'"),
         (("translate", "Hi"), "invalid choice: 'translate'"),
         ((), "the following arguments are required"),

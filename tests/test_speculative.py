@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm import speculative
+from jaxlm import cli, speculative
 from jaxlm.speculative import DRAFT, NGRAM_SIZES
 
 # Prompts that repeat themselves, so that a tiny random model's continuations draft often.
@@ -135,6 +135,7 @@ def test_a_planned_request_drafts_in_place_without_compiling(tiny_llama):
 
 
 def test_bad_speculative_arguments_are_refused(tiny_llama):
+    assert cli.SPECULATIVE == speculative.METHODS
     model, _ = jaxlm.load(tiny_llama[0])
     with pytest.raises(ValueError, match="`speculative` must be one of"):
         jaxlm.generate(model, None, [1, 2], max_new_tokens=2, speculative="eagle")
