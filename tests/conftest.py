@@ -102,7 +102,7 @@ FILE_SECONDS = {
     "test_llm_engine.py": 135,
     "test_moe.py": 125,
     "test_structured.py": 100,
-    "test_default_model.py": 95,
+    "test_default_model.py": 130,
     "test_generate.py": 80,
     "test_int8.py": 80,
     "test_families.py": 70,

@@ -47,6 +47,32 @@ def test_greedy_generation_with_drafts_equals_llama_cpp(smollm2):
     assert accepted > 0
 
 
+# Chat requests whose answers repeat their prompt, and some that do not.
+CHATS = [
+    "Copy this sentence exactly: The old bridge over the river was closed for repairs in May, "
+    "and the ferry carried everyone across until the autumn.",
+    "Repeat after me: red, green, blue, red, green, blue, red, green, blue.",
+    "Add a comment to this code and return it:\n\ndef area(w, h):\n    return w * h\n",
+    "Fix the spelling and give the text back: The wether was cold and the childs stayed inside.",
+    "Write a haiku about winter.",
+]
+
+
+def test_chats_answer_the_same_with_drafts(smollm2):
+    # Greedy to the end of each answer (the EOS), one request at a time, as a user would.
+    model, tokenizer = smollm2
+    accepted = 0
+    for text in CHATS:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        plain = jaxlm.generate(model, tokenizer, ids, max_new_tokens=48)
+        drafted = jaxlm.generate(model, tokenizer, ids, max_new_tokens=48, speculative="ngram")
+        assert drafted.token_ids == plain.token_ids, text
+        assert drafted.finish_reasons == plain.finish_reasons, text
+        accepted += drafted.accepted_tokens[0]
+    assert accepted > 0
+
+
 def test_eos_stops_generation_by_default(smollm2):
     model, tokenizer = smollm2
     case = REFERENCE["generations"][0]
