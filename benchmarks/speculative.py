@@ -3,12 +3,12 @@
 Each task is one chat prompt, answered greedily with and without drafts; the tokens must be the
 same. Tasks whose answer repeats the prompt (a text copied out, a function given back with a
 docstring) are where drafts pay; open-ended ones (a story, an explanation) are where they must
-cost nothing. Per repeat, `generate` runs once with 1 new token and once with `--new-tokens`;
-decode tok/s is the tokens after the first over the difference. The table gives both rates,
-their ratio, and the drafts proposed and kept.
+cost nothing. Per repeat, `generate` runs once with 1 new token and once with `--new-tokens`,
+without drafts and then with; decode tok/s is the tokens after the first over the difference.
+The table gives both rates (medians), their ratio, and the drafts proposed and kept.
 
 Usage: python benchmarks/speculative.py [--model PATH] [--quantize int8] [--tasks A,B]
-    [--new-tokens 128] [--repeats 3] [--json PATH]
+    [--new-tokens 128] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,23 +53,29 @@ TASKS = {
 }
 
 
-def _decode_rate(model, tokenizer, prompt, new_tokens, repeats, speculative):
-    """(decode tok/s, the last result) over `repeats` runs after one that compiles."""
+def _decode_rates(model, tokenizer, prompt, new_tokens, repeats):
+    """Median decode tok/s without and with drafts, and the last result of each; the two
+    alternate run by run, after runs that compile, so that drift falls on both alike."""
     import jaxlm
 
-    kwargs = dict(speculative=speculative)
-    for n in (1, new_tokens):
-        jaxlm.generate(model, tokenizer, prompt, max_new_tokens=n, **kwargs)
-    rates = []
+    ways = (None, "ngram")
+    for how in ways:
+        for n in (1, new_tokens):
+            jaxlm.generate(model, tokenizer, prompt, max_new_tokens=n, speculative=how)
+    rates = {how: [] for how in ways}
+    outs = {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        jaxlm.generate(model, tokenizer, prompt, max_new_tokens=1, **kwargs)
-        t1 = time.perf_counter() - start
-        start = time.perf_counter()
-        out = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=new_tokens, **kwargs)
-        tn = time.perf_counter() - start
-        rates.append((len(out.token_ids[0]) - 1) / max(tn - t1, 1e-9))
-    return statistics.median(rates), out
+        for how in ways:
+            start = time.perf_counter()
+            jaxlm.generate(model, tokenizer, prompt, max_new_tokens=1, speculative=how)
+            t1 = time.perf_counter() - start
+            start = time.perf_counter()
+            outs[how] = jaxlm.generate(
+                model, tokenizer, prompt, max_new_tokens=new_tokens, speculative=how
+            )
+            tn = time.perf_counter() - start
+            rates[how].append((len(outs[how].token_ids[0]) - 1) / max(tn - t1, 1e-9))
+    return [(statistics.median(rates[how]), outs[how]) for how in ways]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantize", default=None)
     p.add_argument("--tasks", default=",".join(TASKS), help="comma list of tasks to run")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     args = p.parse_args(argv)
     model, tokenizer = jaxlm.load(args.model, progress=False, quantize=args.quantize)
@@ -92,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             add_special_tokens=False,
         )
         with OtherLoad() as load:
-            plain, base = _decode_rate(model, tokenizer, ids, args.new_tokens, args.repeats, None)
-            drafted, out = _decode_rate(
-                model, tokenizer, ids, args.new_tokens, args.repeats, "ngram"
+            (plain, base), (drafted, out) = _decode_rates(
+                model, tokenizer, ids, args.new_tokens, args.repeats
             )
         busy = max(busy, load.cores)
         same = out.token_ids == base.token_ids

@@ -267,21 +267,35 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
         }
         return {**s, "decode": d}
 
-    def body(s):
+    def single(c):
+        s, wait, backoff = c
+        return _one_token(model, s, params, stop, None), jnp.maximum(wait - 1, 0), backoff
+
+    def chunk(c):
+        s, _, backoff = c
+        before = s["decode"]["accepted"]
+        s = verify(s)
+        # A chunk that kept no draft cost more than the token it gave: wait twice as long
+        # before the next (at most `MAX_BACKOFF` tokens); one that kept a draft resets.
+        missed = jnp.all(s["decode"]["accepted"] == before)
+        backoff = jnp.where(missed, jnp.minimum(2 * backoff, speculative.MAX_BACKOFF), 1)
+        return s, jnp.where(missed, backoff, 0), backoff
+
+    def body(c):
         # Single tokens until every row drafts, then one chunk: loops rather than a `lax.cond`,
         # whose branches XLA:CPU gives copies of the pages (see `docs/performance.md`,
         # "Speculative decoding").
-        s = jax.lax.while_loop(
-            lambda s: _running(s, limit) & ~drafts(s)[1],
-            lambda s: _one_token(model, s, params, stop, None),
-            s,
+        c = jax.lax.while_loop(
+            lambda c: _running(c[0], limit) & ((c[1] > 0) | ~drafts(c[0])[1]), single, c
         )
-        s, _ = jax.lax.while_loop(
-            lambda c: c[1] & drafts(c[0])[1], lambda c: (verify(c[0]), False), (s, True)
+        c, _ = jax.lax.while_loop(
+            lambda c: c[1] & drafts(c[0][0])[1], lambda c: (chunk(c[0]), False), (c, True)
         )
-        return s
+        return c
 
-    return jax.lax.while_loop(lambda s: _running(s, limit), body, scratch)
+    one = jnp.int32(1)
+    s, _, _ = jax.lax.while_loop(lambda c: _running(c[0], limit), body, (scratch, one - 1, one))
+    return s
 
 
 class Engine:

@@ -79,6 +79,13 @@ def test_greedy_tokens_are_the_same_with_drafts(tiny_llama, new_tokens):
         assert min(drafted.accepted_tokens) > 0
 
 
+def test_int8_weights_give_the_same_tokens_with_drafts(tiny_llama):
+    model, _ = jaxlm.load(tiny_llama[0], quantize="int8")
+    plain, drafted = _both(model, None, LOOPS, max_new_tokens=40, stop_token_ids=[])
+    assert drafted.token_ids == plain.token_ids
+    assert min(drafted.accepted_tokens) > 0
+
+
 def test_seeded_samples_stop_tokens_and_penalties_are_the_same_with_drafts(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     # Sharper logits, so that samples fall into loops too.
