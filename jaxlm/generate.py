@@ -5,8 +5,8 @@
 not involved per token, so the calling thread holds no GIL while the model runs. `stream` runs
 the same loop in chunks of a few tokens per call, with the scratch donated from call to call.
 
-The plans they make and keep, and the bucketed shapes that let requests share them, are
-`jaxlm.plans`'.
+The plans they make and keep, and the bucketed shapes that let requests share them, are in
+`jaxlm.plans`.
 """
 
 from __future__ import annotations
