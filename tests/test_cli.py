@@ -27,7 +27,7 @@ def run(env, *args, stdin=None):
 
 def test_generate_streams_the_reference_continuation(env):
     case = REFERENCE["generations"][0]
-    out = run(env, "generate", case["prompt"], "--max-new-tokens", "8", "--speculative", "ngram")
+    out = run(env, "generate", case["prompt"], "--max-new-tokens", "8")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(" Paris.\n\nThe answer is")
     assert "Loading weights" not in out.stderr  # no progress bar when not on a terminal
@@ -114,6 +114,29 @@ def test_errors_are_one_line_with_exit_code_2(monkeypatch, capsys, args, message
     assert code == 2
     assert stderr.count("\n") == 1, stderr
     assert message in stderr
+
+
+def test_the_sampling_options_reach_stream(monkeypatch, capsys):
+    # In this process, with `jaxlm.load` and `jaxlm.stream` stood in for: the wiring alone
+    # (`tests/test_speculative.py` and `test_default_model.py` check what drafting gives).
+    import jaxlm
+    from jaxlm import cli
+
+    got = {}
+
+    def stream(model, tokenizer, prompt, **kwargs):
+        got.update(kwargs, prompt=prompt)
+        yield "text"
+
+    monkeypatch.setattr(jaxlm, "load", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(jaxlm, "stream", stream)
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    argv = ["generate", "Hi", "--speculative", "ngram", "--top-k", "5", "--stop", "!"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == "text\n"
+    assert got["prompt"] == "Hi" and got["speculative"] == "ngram"
+    assert got["top_k"] == 5 and got["stop"] == ["!"] and got["max_new_tokens"] == 64
 
 
 def test_the_executable_reports_an_error_in_one_line(env):
