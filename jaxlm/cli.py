@@ -139,6 +139,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
     s.add_argument(
+        "--speculative",
+        choices=SPECULATIVE,
+        default=None,
+        help="requests draft tokens from their own text, checked in the same step",
+    )
+    s.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json", "mistral", "json"),
         default=None,
@@ -283,6 +289,7 @@ def _serve(args) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_cache=not args.no_prefix_cache,
         decode_steps=args.decode_steps,
+        speculative=args.speculative,
     )
     print(f"{engine.plan}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(

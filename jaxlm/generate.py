@@ -33,7 +33,7 @@ from jaxlm.plans import (
     shapes,
 )
 from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_request
-from jaxlm.speculative import DRAFT, METHODS
+from jaxlm.speculative import DRAFT, check_method
 from jaxlm.stops import token_table
 
 STREAM_CHUNK = 8
@@ -133,8 +133,7 @@ def _drafts(scratch, n: int) -> dict:
 
 
 def _check_speculative(speculative, response_format) -> None:
-    if speculative is not None and speculative not in METHODS:
-        raise ValueError(f"`speculative` must be one of {METHODS} or None, got {speculative!r}")
+    check_method(speculative)
     if speculative is not None and response_format is not None:
         raise ValueError("`speculative` and `response_format` do not combine: give one")
 

@@ -282,6 +282,7 @@ def plan(
     page_size: int | None = None,
     max_num_batched_tokens: int | None = None,
     decode_steps: int | None = None,
+    speculative: str | None = None,
 ):
     """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing;
     with `max_num_seqs`, plan a serving engine's pages instead (below).
@@ -315,7 +316,8 @@ def plan(
     pages the attention layers declare, `num_pages` of `page_size` tokens (16), or as many as
     `budget` leaves; sequences of up to `max_seq_len` tokens (the model's context); and the
     engine's step compiled for each prompt chunk width up to `max_num_batched_tokens` (256),
-    decoding `decode_steps` (4) tokens per call. Its bill is read from those executables too.
+    decoding `decode_steps` (4) tokens per call, and with `speculative="ngram"` the decode
+    step that verifies drafted tokens. Its bill is read from those executables too.
 
         >>> plan = jaxlm.plan(model, max_num_seqs=8, budget="2GiB")
         >>> plan.num_pages, plan.total_bytes     # fitted before any allocation
@@ -335,12 +337,14 @@ def plan(
             budget=budget,
             max_num_batched_tokens=max_num_batched_tokens,
             decode_steps=decode_steps,
+            speculative=speculative,
         )
     paged = dict(
         num_pages=num_pages,
         page_size=page_size,
         max_num_batched_tokens=max_num_batched_tokens,
         decode_steps=decode_steps,
+        speculative=speculative,
     )
     given = [f"`{k}`" for k, v in paged.items() if v is not None]
     if given:

@@ -1,9 +1,10 @@
-"""Prompt-lookup (n-gram) drafts for `generate`'s decode loop: tokens copied from a row's own
-earlier text, proposed and checked on the device.
+"""Prompt-lookup (n-gram) drafts for the decode loops of `generate` and `LLMEngine`: tokens
+copied from a row's own earlier text, proposed and checked on the device.
 
 Each step, a row looks for the latest earlier occurrence of its last `n` tokens among its own
 tokens (prompt and output; `n` from `NGRAM_SIZES`, longest first) and drafts the tokens that
-followed it. The loop (`jaxlm.engine.decode_loop_ngram`) runs the row's last token and its
+followed it. The loop (`jaxlm.engine.decode_loop_ngram`, the engine's
+`jaxlm.batching.step.Steps`) runs the row's last token and its
 drafts as one chunk, samples a token at every position with that position's own key, and keeps
 the drafts up to the first that differs from the token sampled before it, and that token: the
 row's tokens are those it gives without drafts. Much real text repeats its input (edits,
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-# The ways `generate` drafts (its `speculative=`).
+# The ways `generate` and `LLMEngine` draft (their `speculative=`).
 METHODS = ("ngram",)
 # Tokens drafted per step: a chunk of 4 ran in 1.37x the time of one token, 5 in 2x.
 DRAFT = 3
@@ -27,28 +28,35 @@ MAX_BACKOFF = 16
 NGRAM_SIZES = (3, 2)
 
 
+def check_method(speculative) -> None:
+    """Refuse a `speculative` that names no method."""
+    if speculative is not None and speculative not in METHODS:
+        raise ValueError(f"`speculative` must be one of {METHODS} or None, got {speculative!r}")
+
+
 def propose(tokens, start, index, draft: int = DRAFT):
     """Each row's `draft` next tokens by lookup, and whether it found any.
 
-    `tokens` `[B, S]` are the rows' slots, row `b`'s text from slot `start[b]` to the shared
-    slot `index` (its last token). A row whose last `n` tokens occurred before, ending at slot
-    `e - 1 < index`, drafts the tokens from slot `e` on; past `index`, where its text ends, it
-    drafts the repeat that the occurrence implies (the tokens `index + 1 - e` slots back).
-    Returns `(drafts [B, draft], found [B])`.
+    `tokens` `[B, S]` are the rows' slots, row `b`'s text from slot `start[b]` to slot
+    `index` (its last token; one slot for every row, or `[B]`). A row whose last `n` tokens
+    occurred before, ending at slot `e - 1 < index`, drafts the tokens from slot `e` on; past
+    `index`, where its text ends, it drafts the repeat that the occurrence implies (the tokens
+    `index + 1 - e` slots back). Returns `(drafts [B, draft], found [B])`.
     """
     b, s = tokens.shape
     slots = jnp.arange(s, dtype=jnp.int32)
+    index = jnp.broadcast_to(index, (b,))
     found = jnp.zeros((b,), bool)
     follow = jnp.zeros((b,), jnp.int32)
     for n in NGRAM_SIZES:
-        at = jnp.broadcast_to(jnp.maximum(index - n + 1 + slots[:n], 0), (b, n))
+        at = jnp.maximum(index[:, None] - n + 1 + slots[None, :n], 0)
         suffix = jnp.take_along_axis(tokens, at, axis=1)
         windows = s - n + 1
         same = jnp.ones((b, windows), bool)
         for i in range(n):
             same &= tokens[:, i : windows + i] == suffix[:, i : i + 1]
         j = slots[:windows]
-        earlier = same & (j[None, :] >= start[:, None]) & (j[None, :] + n <= index)
+        earlier = same & (j[None, :] >= start[:, None]) & (j[None, :] + n <= index[:, None])
         latest = jnp.max(jnp.where(earlier, j[None, :], -1), axis=1)
         hit = (latest >= 0) & (index - n + 1 >= start) & ~found
         follow = jnp.where(hit, latest + n, follow)
@@ -58,11 +66,14 @@ def propose(tokens, start, index, draft: int = DRAFT):
     return jnp.take_along_axis(tokens, jnp.minimum(at, s - 1), axis=1), found
 
 
+def kept(sampled, drafts):
+    """How many drafts each row keeps: those up to the first that differs from the token sampled
+    at its position (`sampled` `[B, DRAFT + 1]`, the token after each position of the chunk)."""
+    same = (sampled[:, : drafts.shape[1]] == drafts).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(same, axis=1), axis=1)
+
+
 def accepted(sampled, drafts, done):
-    """The drafts every unfinished row keeps: each row keeps its drafts up to the first that
-    differs from the token sampled at its position (`sampled` `[B, DRAFT + 1]`, the token after
-    each position of the chunk); the rows share one slot index, so all keep the fewest."""
-    draft = drafts.shape[1]
-    same = (sampled[:, :draft] == drafts).astype(jnp.int32)
-    kept = jnp.sum(jnp.cumprod(same, axis=1), axis=1)
-    return jnp.min(jnp.where(done, draft, kept))
+    """The drafts every unfinished row keeps (`kept`) where the rows share one slot index, as
+    `generate`'s do: all keep the fewest."""
+    return jnp.min(jnp.where(done, drafts.shape[1], kept(sampled, drafts)))

@@ -246,6 +246,8 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
             engine.submit([1, 2], max_new_tokens=4, temperature=-1)
         with pytest.raises(ValueError, match="one prompt"):
             engine.submit([[1, 2], [3]], max_new_tokens=4)
+        with pytest.raises(ValueError, match=r'needs an engine that verifies drafts: .*"ngram"'):
+            engine.submit([1, 2], max_new_tokens=4, speculative="ngram")
     with pytest.raises(ValueError, match="give one of `num_pages` and `budget`"):
         LLMEngine(tiny)
     with pytest.raises(ValueError, match=r"give a `plan` or its sizes \(`num_pages`\)"):

@@ -18,14 +18,17 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 import numpy as np
 from flax import nnx
 
-from jaxlm.batching import step
 from jaxlm.batching.handle import RequestHandle, RequestOutput
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.plan import EnginePlan, plan_engine
+from jaxlm.batching.sampled import TOP_LOGPROBS, unpack
 from jaxlm.batching.scheduler import Batch, Scheduler
-from jaxlm.batching.step import TOP_LOGPROBS
 from jaxlm.constrain import Grammars, grammar_of, grammars_for
 from jaxlm.requests import check_penalties, is_int, parse_request
+from jaxlm.speculative import DRAFT, check_method
+
+# `submit`'s `speculative` when not given: the engine's.
+ENGINE_DEFAULT = "engine"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,9 @@ class EngineStats:
     # Token bitmasks filled for rows with a grammar, and the host's seconds filling them.
     grammar_masks: int = 0
     grammar_mask_seconds: float = 0.0
+    # Tokens drafted by prompt lookup (`speculative`), and those of them the model kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -63,6 +69,8 @@ class LLMEngine:
     Decode steps run `decode_steps` at a time while no prompt waits, ending early where a
     request samples a stop token: the tokens of a call reach its requests together. On a model
     sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`.
+    With `speculative="ngram"`, requests draft tokens from their own text while they decode
+    (`jaxlm.speculative`), as `generate` does; their tokens are those they give without.
 
     Example:
         >>> plan = jaxlm.plan(model, max_num_seqs=4, budget="1GiB")
@@ -86,6 +94,7 @@ class LLMEngine:
         budget: int | str | None = None,
         max_num_batched_tokens: int | None = None,
         decode_steps: int | None = None,
+        speculative: str | None = None,
         prefix_cache: bool = True,
         max_queue: int = 1024,
     ):
@@ -97,6 +106,7 @@ class LLMEngine:
             budget=budget,
             max_num_batched_tokens=max_num_batched_tokens,
             decode_steps=decode_steps,
+            speculative=speculative,
         )
         if plan is None:
             sizes["max_num_seqs"] = 4 if max_num_seqs is None else max_num_seqs
@@ -114,6 +124,7 @@ class LLMEngine:
         self.pages_per_seq = plan.pages_per_seq
         self.max_num_seqs = plan.max_num_seqs
         self.decode_steps = plan.decode_steps
+        self.speculative = plan.speculative
         self.pool = PagePool(plan.num_pages, plan.page_size, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(
             self.pool,
@@ -130,6 +141,7 @@ class LLMEngine:
         self.prefill_tokens = 0
         self.generated_tokens = 0
         self.finished = 0
+        self.drafted_tokens = self.accepted_tokens = 0
         self._handles: dict[int, RequestHandle] = {}
         # The tokenizer's grammars (`constrain.grammars_for`), on the first constrained request.
         self._grammars: Grammars | None = None
@@ -155,7 +167,7 @@ class LLMEngine:
                 self._wake.wait()
             if self._closed:
                 return False
-            batch = self.scheduler.schedule(self.decode_steps)
+            batch = self.scheduler.schedule(self.decode_steps, DRAFT if self.speculative else 0)
             if not batch.chunks:
                 return True
             requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
@@ -164,14 +176,23 @@ class LLMEngine:
                 # Its pages for the steps not run serve the next calls.
                 batch = dataclasses.replace(batch, steps=1)
             mask = self._fill_masks(batch)
-            shape, inputs = self._steps.inputs(batch, requests, logprobs, mask)
+            drafting = {i for i in requests if self._handles[i]._drafts}
+            shape, inputs = self._steps.inputs(batch, requests, logprobs, mask, drafting)
             rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
         self.pages, out = self.compiled[shape](self._state, self.pages, inputs)
         out = np.asarray(out)
         self.calls += 1
         with self._wake:
-            for tokens, *logprobs in step.unpack(out):
-                sampled = {i: int(tokens[r]) for i, r in rows.items()}
+            if shape.drafts:
+                counts = out[-1, [rows[i] for i in drafting]]
+                self.drafted_tokens += int(counts[:, 1].sum())
+                self.accepted_tokens += int(counts[:, 2].sum())
+            for tokens, *logprobs in unpack(out):
+                sampled = {i: int(tokens[r]) for i, r in rows.items() if tokens[r] >= 0}
+                if len(sampled) < len(rows):
+                    # Rows that drafted ran ahead: the others have no token in this step.
+                    chunks = tuple(c for c in batch.chunks if c.seq.id in sampled)
+                    batch = dataclasses.replace(batch, chunks=chunks)
                 self._record(batch, sampled, logprobs, rows)
                 batch = self.scheduler.next_steps(batch)
                 rows = {c.seq.id: c.seq.slot for c in batch.chunks}
@@ -259,6 +280,8 @@ class LLMEngine:
                 finished=self.finished,
                 grammar_masks=self.grammar_masks,
                 grammar_mask_seconds=self.grammar_mask_seconds,
+                drafted_tokens=self.drafted_tokens,
+                accepted_tokens=self.accepted_tokens,
             )
 
     # Requests.
@@ -283,6 +306,7 @@ class LLMEngine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping | None = None,
+        speculative=ENGINE_DEFAULT,
     ) -> RequestHandle:
         """Queue one request (a string or token ids); returns its handle at once.
 
@@ -300,12 +324,23 @@ class LLMEngine:
         generated, in [-2, 2]) and `logit_bias` (`{token_id: bias in [-100, 100]}`) are
         OpenAI's. A request with a grammar or either penalty runs one decode step a call.
 
+        `speculative` (`"engine"`: the engine's) drafts tokens by prompt lookup (`"ngram"`), or
+        not (None); a request with a grammar or any penalty does not draft.
+
         Example:
             >>> h = engine.submit("JSON: ", max_new_tokens=64, response_format=MyModel)
             >>> MyModel.model_validate_json(h.result().text)"""
         if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
             raise ValueError(
                 f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}"
+            )
+        if speculative is ENGINE_DEFAULT:
+            speculative = self.speculative
+        check_method(speculative)
+        if speculative is not None and self.speculative is None:
+            raise ValueError(
+                "`speculative` needs an engine that verifies drafts: "
+                'LLMEngine(..., speculative="ngram")'
             )
         req = parse_request(
             self.model,
@@ -339,6 +374,10 @@ class LLMEngine:
             seq = self.scheduler.submit(req.prompts[0], max_new_tokens, group)
             handle = RequestHandle(self, seq, req, self.tokenizer, logprobs, on_update)
             handle._matcher = matcher
+            # Drafts would need the host's mask or counts at every position: such rows do not.
+            handle._drafts = speculative is not None and not (
+                _one_step(handle) or req.sampling["repetition_penalty"][0] != 1.0
+            )
             self._handles[seq.id] = handle
             self._wake.notify()
         return handle

@@ -79,6 +79,8 @@ class RequestHandle:
         self._top = top_logprobs
         # The request's place in its grammar (`jaxlm.constrain.Matcher`), set by the engine.
         self._matcher = None
+        # Whether the request drafts tokens (`LLMEngine.submit`'s `speculative`).
+        self._drafts = False
         self.logprobs: list[TokenLogprob] | None = None if top_logprobs is None else []
         # When each token arrived (`time.perf_counter()`), for latency figures.
         self.token_times: list[float] = []

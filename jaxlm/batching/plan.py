@@ -21,6 +21,7 @@ from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, p
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int
 from jaxlm.sharding import Partitioner, mesh_of
+from jaxlm.speculative import check_method
 
 # Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.
 MIN_PAGES = 2
@@ -31,12 +32,13 @@ class EnginePlan(Bill):
 
     Attributes: `max_num_seqs`, `max_seq_len` (the most tokens one sequence holds),
     `page_size`, `num_pages` (page 0 pads), `pages_per_seq`, `max_num_batched_tokens`,
-    `decode_steps`, `layout` (the page slots), `compiled` (the step of each `Shape`: prompt
-    chunks and their width, `Shape(0, 0)` for decode tokens alone), `executables` (XLA's memory
+    `decode_steps`, `speculative` (`"ngram"` where a step verifies drafts), `layout` (the page
+    slots), `compiled` (the step of each `Shape`: prompt chunks and their width, `Shape(0, 0)`
+    for decode tokens alone, `Shape(0, 0, DRAFT)` with drafts), `executables` (XLA's memory
     analysis of each), `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`,
     `total_bytes` (the peak of the most demanding step, weights and pages included) and
-    `budget`. On a mesh (`mesh` is not
-    None), the pages split by KV head over `model` and every byte count is per device.
+    `budget`. On a mesh (`mesh` is not None), the pages split by KV head over `model` and every
+    byte count is per device.
     """
 
     def __init__(self, model, steps, layout, compiled, budget, partitioner):
@@ -55,6 +57,7 @@ class EnginePlan(Bill):
         self.pages_per_seq = steps.pages_per_seq
         self.max_num_batched_tokens = steps.buckets[-1]
         self.decode_steps = steps.decode_steps
+        self.speculative = steps.speculative
 
     @property
     def max_seq_len(self) -> int:
@@ -96,8 +99,10 @@ def plan_engine(
     budget: int | str | None = None,
     max_num_batched_tokens: int | None = None,
     decode_steps: int | None = None,
+    speculative: str | None = None,
 ) -> EnginePlan:
     """The plan of an engine of `max_num_seqs` sequences; see `jaxlm.plan`."""
+    check_method(speculative)
     page_size = 16 if page_size is None else page_size
     max_num_batched_tokens = 256 if max_num_batched_tokens is None else max_num_batched_tokens
     decode_steps = 4 if decode_steps is None else decode_steps
@@ -128,10 +133,12 @@ def plan_engine(
         graphdef,
         rows=max_num_seqs,
         pages_per_seq=-(-max_seq_len // page_size),
+        page_size=page_size,
         vocab_size=config.vocab_size,
         buckets=step.buckets(max_num_batched_tokens),
         decode_steps=decode_steps,
         pages_sharding=layout(MIN_PAGES).tree(lambda s: s.sharding) if partitioner else None,
+        speculative=speculative,
     )
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None),

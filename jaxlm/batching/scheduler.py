@@ -252,13 +252,15 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def schedule(self, max_steps: int = 1) -> Batch:
+    def schedule(self, max_steps: int = 1, spare: int = 0) -> Batch:
         """The next step's chunks. Sequences preempted because pages ran out are listed in the
         batch (`preempted`); they are back in the queue, to be computed again.
 
         A batch of decode chunks alone runs up to `max_steps` steps (`Batch.steps`): no more
         than any of its sequences has left, and only as many as the free pages allow without
-        preempting; report each with `update()` and the chunks of `next_steps()`."""
+        preempting; report each with `update()` and the chunks of `next_steps()`. Its
+        sequences also get pages for `spare` slots past those steps where the free pages
+        allow (drafted tokens' keys and values, `jaxlm.speculative`)."""
         self._preempted: list[SequenceState] = []
         self._share_slots()
         chunks: list[Chunk] = []
@@ -305,7 +307,7 @@ class Scheduler:
                 self._hash(seq, end // size)
                 computing.update(seq.keys[seq.num_computed // size : end // size])
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
-        steps = self._steps(chunks, max_steps) if len(chunks) == decodes else 1
+        steps = self._steps(chunks, max_steps, spare) if len(chunks) == decodes else 1
         return Batch(tuple(chunks), tuple(self._preempted), steps)
 
     def _room(self, width: int | None, prefills: int) -> int:
@@ -356,18 +358,31 @@ class Scheduler:
             self._preempt(max((s for s in self.running if s.group == group), key=lambda s: s.id))
             running[group] -= 1
 
-    def _steps(self, chunks: list[Chunk], max_steps: int) -> int:
-        """How many decode steps `chunks` run in a row, given their pages for all of them."""
+    def _steps(self, chunks: list[Chunk], max_steps: int, spare: int) -> int:
+        """How many decode steps `chunks` run in a row, given their pages for all of them, and
+        `spare` slots more where the free pages hold them."""
         seqs = [c.seq for c in chunks]
         steps = min([max_steps] + [s.max_new_tokens - len(s.output) for s in seqs])
+        if steps <= 1 or not self._reserve(seqs, steps - 1):
+            steps = 1
+        if spare:
+            self._reserve(seqs, steps - 1 + spare)
+        return steps
+
+    def _reserve(self, seqs: list[SequenceState], ahead: int) -> bool:
+        """Give each of `seqs` pages for `ahead` slots past its last token (within its
+        `pages_per_seq`), if the free pages hold them all; whether they did."""
         size = self.pool.page_size
-        needed = [-(-(s.num_tokens + steps - 1) // size) - len(s.pages) for s in seqs]
-        if steps <= 1 or sum(needed) > self.pool.num_available:
-            return 1
+        needed = [
+            max(0, min(-(-(s.num_tokens + ahead) // size), self.pages_per_seq) - len(s.pages))
+            for s in seqs
+        ]
+        if sum(needed) > self.pool.num_available:
+            return False
         for seq, n in zip(seqs, needed, strict=True):
             if n > 0:
                 seq.pages += self.pool.allocate(n)
-        return steps
+        return True
 
     def next_steps(self, batch: Batch) -> Batch:
         """The decode chunks of the step after `batch`'s (one of its `steps`), once `update()` has

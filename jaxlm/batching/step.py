@@ -6,7 +6,8 @@ several sequences padded to one of a few widths, as many as a power of two up to
 `max_num_batched_tokens` holds at that width (`Shape`), samples the next token of every row
 that has reached its end, and returns the pages updated in place. A step of decode tokens alone
 (`Shape(0, 0)`) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens
-it sampled.
+it sampled; with prompt-lookup drafts (`Shape(0, 0, DRAFT)`, `jaxlm.speculative`), a step of that
+loop may run each row's last token and its drafts as a chunk and keep several tokens.
 
 A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
 int32 array: each array a call takes from the host or gives back makes the calling thread give
@@ -26,26 +27,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm import sampling
+from jaxlm.batching.sampled import PACKED, pack, sample
 from jaxlm.batching.scheduler import Batch
 from jaxlm.engine import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import MAX_LOGIT_BIAS, Request
+from jaxlm.speculative import DRAFT, kept, propose
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
-# The most alternatives a request can ask log-probabilities of, as OpenAI allows.
-TOP_LOGPROBS = 20
-# A step's output per row, packed in one int32 array: the token, its log-probability, the ids
-# of the `TOP_LOGPROBS` most likely tokens and their log-probabilities (floats as bits).
-_PACKED = 2 + 2 * TOP_LOGPROBS
 
 
 class Shape(NamedTuple):
-    """A step's shape: `chunks` prompt chunks of `width` tokens each (0 and 0: decode alone)."""
+    """A step's shape: `chunks` prompt chunks of `width` tokens each (0 and 0: decode alone,
+    with `drafts` tokens drafted per row where it verifies drafts)."""
 
     chunks: int
     width: int
+    drafts: int = 0
 
     def __str__(self) -> str:
+        if self.drafts:
+            return f"decode with {self.drafts} drafts"
         if not self.width:
             return "decode"
         return f"chunk of {self.width}" + (f" x{self.chunks}" if self.chunks > 1 else "")
@@ -95,7 +96,17 @@ class Steps:
     executables, inputs and outputs."""
 
     def __init__(
-        self, graphdef, *, rows, pages_per_seq, vocab_size, buckets, decode_steps, pages_sharding
+        self,
+        graphdef,
+        *,
+        rows,
+        pages_per_seq,
+        page_size,
+        vocab_size,
+        buckets,
+        decode_steps,
+        pages_sharding,
+        speculative=None,
     ):
         self._graphdef = graphdef
         # On a mesh, the pages a step returns keep the shardings they came in with: XLA aliases
@@ -106,13 +117,16 @@ class Steps:
             else (lambda pages: jax.lax.with_sharding_constraint(pages, pages_sharding))
         )
         self.rows, self.pages_per_seq, self.vocab_size = rows, pages_per_seq, vocab_size
-        self.buckets, self.decode_steps = buckets, decode_steps
+        self.page_size, self.buckets, self.decode_steps = page_size, buckets, decode_steps
+        self.speculative = speculative
         self.chunk_shapes = {w: min(rows, buckets[-1] // w) for w in buckets}
         shapes = [Shape(0, 0)]
         for width, most in self.chunk_shapes.items():
             # Powers of two below the most: padding at most doubles a step's chunks.
             counts = [1 << i for i in range((most - 1).bit_length())]
             shapes += [Shape(k, width) for k in (*counts, most)]
+        if speculative is not None:
+            shapes.append(Shape(0, 0, DRAFT))
         self.layouts = {shape: HostPack(self._spec(shape)) for shape in shapes}
         self._unseen = np.zeros((rows, vocab_size), bool)
         self._uncounted = np.zeros((rows, vocab_size), np.int32)
@@ -153,10 +167,18 @@ class Steps:
             logprobs=sds((), jnp.bool_),
         )
         if shape.width:
-            spec["chunk"] = {**tokens(*shape), "rows": sds((shape.chunks,), jnp.int32)}
+            spec["chunk"] = {
+                **tokens(shape.chunks, shape.width),
+                "rows": sds((shape.chunks,), jnp.int32),
+            }
         else:
             spec["steps"] = sds((), jnp.int32)
             spec["stops"] = sds((rows, vocab), jnp.bool_)
+        if shape.drafts:
+            # Each row's tokens, whether it drafts, and the slots its pages hold.
+            spec["history"] = sds((rows, self.pages_per_seq * self.page_size), jnp.int32)
+            spec["drafting"] = sds((rows,), jnp.bool_)
+            spec["limit"] = sds((rows,), jnp.int32)
         return spec
 
     def compile(self, state, pages) -> dict:
@@ -164,7 +186,8 @@ class Steps:
         do); it takes `(state, pages, buffer)`, donates the pages and returns `(pages, out)`."""
         lowered = {}
         for shape, layout in self.layouts.items():
-            run = functools.partial(self._run if shape.width else self._run_decode, layout)
+            run = self._run_decode_drafts if shape.drafts else self._run_decode
+            run = functools.partial(self._run if shape.width else run, layout)
             fn = jax.jit(run, donate_argnums=1)
             lowered[shape] = fn.lower(state, pages, layout.spec)
         return compile_side_by_side(lowered)
@@ -181,7 +204,7 @@ class Steps:
         (logits, chunk_logits), pages = model.forward_paged([x["decode"], x["chunk"]], pages)
         # A padding chunk's row is `rows`, out of range: its logits are dropped.
         logits = logits.at[rows].set(chunk_logits, mode="drop")
-        return self._pin(pages), _pack(_sample(logits, x, x["generated"], x["seen"]))[None]
+        return self._pin(pages), pack(sample(logits, x, x["generated"], x["seen"]))[None]
 
     def _run_decode(self, layout, state, pages, buf):
         # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
@@ -191,15 +214,15 @@ class Steps:
         decode, stops, rows = x["decode"], x["stops"], self.rows
         live = decode["positions"][:, 0] >= 0
         # Steps not run keep token -1 (`unpack`).
-        out = jnp.full((self.decode_steps, rows, _PACKED), -1, jnp.int32)
+        out = jnp.full((self.decode_steps, rows, PACKED), -1, jnp.int32)
 
         def step(carry):
             i, pages, ids, positions, generated, seen, out, _ = carry
             group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
             (logits,), pages = model.forward_paged([group], pages)
-            sampled = _sample(logits, x, generated, seen)
+            sampled = sample(logits, x, generated, seen)
             token = sampled[0]
-            out = out.at[i].set(_pack(sampled))
+            out = out.at[i].set(pack(sampled))
             stopped = jnp.any(live & stops[jnp.arange(rows), token])
             positions = jnp.where(live, positions + 1, -1)
             seen = seen.at[jnp.arange(rows), token].set(True)
@@ -210,6 +233,106 @@ class Steps:
         carry = jax.lax.while_loop(lambda c: (c[0] < x["steps"]) & ~c[-1], step, carry)
         return self._pin(carry[1]), carry[6]
 
+    def _run_decode_drafts(self, layout, state, pages, buf):
+        # `_run_decode` where rows draft (`jaxlm.speculative`): each row runs and keeps tokens
+        # at its own pace, up to `steps` (a chunk may keep a few more; the host drops those
+        # past a request's end). A step runs every row's last token alone, or, where at least
+        # half the running rows draft, with their drafts as a chunk of `DRAFT + 1`, each
+        # position sampled with its own key, so the tokens are those `_run_decode` gives. Single
+        # tokens and chunks are two loops, not a `lax.cond`, whose branches XLA:CPU gives copies
+        # of the pages (`docs/performance.md`, "Speculative decoding").
+        x = layout.unpack(buf)
+        model = nnx.merge(self._graphdef, state)
+        decode, rows = x["decode"], self.rows
+        r, cols = jnp.arange(rows), jnp.arange(DRAFT + 1, dtype=jnp.int32)
+        most = self.decode_steps + DRAFT
+        live = decode["positions"][:, 0] >= 0
+        sample_at = jax.vmap(sample, in_axes=(1, None, 1, None), out_axes=1)
+
+        def plan(c):
+            active = live & (c["count"] < x["steps"]) & ~c["stopped"]
+            drafts, found = propose(c["history"], jnp.zeros((rows,), jnp.int32), c["pos"])
+            room = c["pos"] + DRAFT < x["limit"]
+            return {
+                **c,
+                "active": active,
+                "drafts": drafts,
+                "drafting": active & x["drafting"] & found & room,
+            }
+
+        def worth(c):
+            drafting = jnp.sum(c["drafting"])
+            return (drafting > 0) & (2 * drafting >= jnp.sum(c["active"]))
+
+        def run(c, ids, use):
+            # The rows' tokens `ids` [rows, W] from each row's last position, where `use`.
+            positions = jnp.where(use, c["pos"][:, None] + cols[: ids.shape[1]], -1)
+            group = {**decode, "input_ids": ids, "positions": positions, "last": None}
+            (logits,), pages = model.forward_paged([group], c["pages"])
+            generated = x["generated"][:, None] + c["count"][:, None] + cols[: ids.shape[1]]
+            return {**c, "pages": pages}, sample_at(logits, x, generated, c["seen"])
+
+        def keep(c, sampled, n, drafted):
+            # Record each row's first `n` tokens of `sampled`, up to its first stop token.
+            token, w = sampled[0], sampled[0].shape[1]
+            j = cols[None, :w]
+            stop = x["stops"][r[:, None], token] & (j < n[:, None])
+            n = jnp.minimum(n, jnp.min(jnp.where(stop, j, w), axis=1) + 1)
+            taken = j < n[:, None]
+            packed = jax.vmap(pack, in_axes=1, out_axes=1)(sampled)
+            at = jnp.where(taken, c["count"][:, None] + j, most)
+            slot = jnp.where(taken, c["pos"][:, None] + 1 + j, x["history"].shape[1])
+            c = {
+                **c,
+                "out": c["out"].at[at, r[:, None]].set(packed, mode="drop"),
+                "history": c["history"].at[r[:, None], slot].set(token, mode="drop"),
+                "seen": c["seen"]
+                .at[r[:, None], jnp.where(taken, token, self.vocab_size)]
+                .set(True, mode="drop"),
+                "pos": c["pos"] + n,
+                "count": c["count"] + n,
+                "stopped": c["stopped"] | jnp.any(stop & taken),
+                "drafted": c["drafted"] + drafted,
+                "accepted": c["accepted"] + jnp.where(drafted > 0, n - 1, 0),
+            }
+            return plan(c)
+
+        def single(c):
+            last = c["history"][r, jnp.maximum(c["pos"], 0)]
+            c, sampled = run(c, last[:, None], c["active"][:, None])
+            return keep(c, sampled, c["active"].astype(jnp.int32), 0)
+
+        def chunk(c):
+            last = c["history"][r, jnp.maximum(c["pos"], 0)]
+            ids = jnp.concatenate([last[:, None], c["drafts"]], axis=1)
+            use = jnp.where(cols == 0, c["active"][:, None], c["drafting"][:, None])
+            c, sampled = run(c, ids, use)
+            n = jnp.where(c["drafting"], kept(sampled[0], c["drafts"]) + 1, c["active"])
+            return keep(c, sampled, n, jnp.where(c["drafting"], DRAFT, 0))
+
+        def body(c):
+            c = jax.lax.while_loop(lambda c: jnp.any(c["active"]) & ~worth(c), single, c)
+            return jax.lax.while_loop(lambda c: jnp.any(c["active"]) & worth(c), chunk, c)
+
+        zeros = jnp.zeros((rows,), jnp.int32)
+        c = plan(
+            dict(
+                pages=pages,
+                history=x["history"],
+                seen=x["seen"],
+                pos=decode["positions"][:, 0],
+                count=zeros,
+                stopped=jnp.bool_(False),
+                out=jnp.full((most + 1, rows, PACKED), -1, jnp.int32),
+                drafted=zeros,
+                accepted=zeros,
+            )
+        )
+        c = jax.lax.while_loop(lambda c: jnp.any(c["active"]), body, c)
+        # The last entry, never a token (-2), holds each row's drafted and accepted counts.
+        counts = jnp.stack([jnp.full((rows,), -2, jnp.int32), c["drafted"], c["accepted"]], 1)
+        return self._pin(c["pages"]), c["out"].at[most, :, :3].set(counts)
+
     # The host's side.
 
     def inputs(
@@ -218,10 +341,12 @@ class Steps:
         requests: Mapping[int, Request],
         logprobs: set[int],
         mask: np.ndarray | None = None,
+        drafting: set[int] = frozenset(),
     ):
         """The `Shape` of `batch`'s step and its inputs packed, given each sequence's `Request`
-        by id, the ids that want log-probabilities and, where a row carries a grammar, the
-        token bitmask of every row [rows, `mask_words`] (all bits set in rows without one)."""
+        by id, the ids that want log-probabilities, where a row carries a grammar, the token
+        bitmask of every row [rows, `mask_words`] (all bits set in rows without one), and the
+        ids that may draft (in a step of decode tokens alone, on `Steps` made `speculative`)."""
         rows, per_seq = self.rows, self.pages_per_seq
         seen, counts = self._unseen, self._uncounted
         penalties = {n: np.zeros((rows,), np.float32) for n in ("presence", "frequency")}
@@ -281,7 +406,26 @@ class Steps:
             x["stops"] = np.zeros((rows, self.vocab_size), bool)
             for c in batch.chunks:
                 x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
+            if self.speculative is not None and drafting:
+                shape = Shape(0, 0, DRAFT)
+                x.update(self._history(batch, drafting))
         return shape, self.layouts[shape].pack(x)
+
+    def _history(self, batch: Batch, drafting: set[int]) -> dict:
+        """Each row's tokens, whether it may draft, and the slots its pages hold."""
+        rows = self.rows
+        out = dict(
+            history=np.zeros((rows, self.pages_per_seq * self.page_size), np.int32),
+            drafting=np.zeros((rows,), bool),
+            limit=np.zeros((rows,), np.int32),
+        )
+        for c in batch.chunks:
+            seq, r = c.seq, c.seq.slot
+            out["history"][r, : len(seq.prompt)] = seq.prompt
+            out["history"][r, len(seq.prompt) : seq.num_tokens] = seq.output
+            out["drafting"][r] = seq.id in drafting
+            out["limit"][r] = len(seq.pages) * self.page_size
+        return out
 
     def shape(self, chunks) -> Shape:
         """The smallest `Shape` that runs the prompt `chunks` (of several tokens each)."""
@@ -299,7 +443,7 @@ class Steps:
     def _chunks(self, chunks, shape: Shape) -> dict:
         """The prompt `chunks` as the rows of a group of `shape`, padded to its width; padding
         rows sample into row `rows`, which does not exist."""
-        k, width = shape
+        k, width, _ = shape
         out = dict(
             input_ids=np.zeros((k, width), np.int32),
             positions=np.full((k, width), -1, np.int32),
@@ -316,14 +460,6 @@ class Steps:
         return out
 
 
-def unpack(out: np.ndarray):
-    """The steps a call ran, each `(tokens, logprobs, top ids, top logprobs)` per row."""
-    for step in out[out[:, 0, 0] >= 0]:
-        ids = step[:, 2 : 2 + TOP_LOGPROBS]
-        top = step[:, 2 + TOP_LOGPROBS :].view(np.float32)
-        yield step[:, 0], step[:, 1].view(np.float32), ids, top
-
-
 def buckets(max_tokens: int) -> tuple[int, ...]:
     """The widths of a step's prompt chunk: 16, 32, 64, ... up to `max_tokens`."""
     widths, width = [], 16
@@ -331,65 +467,3 @@ def buckets(max_tokens: int) -> tuple[int, ...]:
         widths.append(width)
         width *= 2
     return (*widths, max_tokens)
-
-
-def _sample(logits, x, generated, seen):
-    """Each row's next token, and with `x["logprobs"]`, its log-probabilities (else zeros).
-
-    The logits are penalized (repetition, then presence and frequency), biased and masked by
-    the rows' grammars in that order; each stage runs only where some row asks for it."""
-    params, penalties = x["params"], x["penalties"]
-    penalty = params["repetition_penalty"]
-    presence, frequency = penalties["presence"], penalties["frequency"]
-    keep = lambda v: v
-    penalized = jax.lax.cond(
-        jnp.any(penalty != 1.0),
-        lambda v: sampling.penalize_seen(v, seen, penalty),
-        keep,
-        logits,
-    )
-    penalized = jax.lax.cond(
-        jnp.any((presence != 0) | (frequency != 0)),
-        lambda v: sampling.penalize_counts(v, x["counts"], presence, frequency),
-        keep,
-        penalized,
-    )
-    penalized = jax.lax.cond(
-        jnp.any(x["bias_ids"] < logits.shape[-1]),
-        lambda v: sampling.add_bias(v, x["bias_ids"], x["bias"]),
-        keep,
-        penalized,
-    )
-    penalized = jax.lax.cond(
-        x["masked"], lambda v: sampling.apply_bitmask(v, x["mask"]), keep, penalized
-    )
-    # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
-    keys = jax.vmap(jax.random.fold_in)(x["keys"], generated)
-    token = sampling.sample(
-        penalized, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
-    )
-    return token, *jax.lax.cond(x["logprobs"], _logprobs, _no_logprobs, logits, token)
-
-
-def _pack(sampled) -> jax.Array:
-    token, chosen, ids, top = sampled
-    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return jnp.concatenate([token[:, None], bits(chosen)[:, None], ids, bits(top)], axis=1)
-
-
-def _logprobs(logits, token):
-    """Each row's log-probability of `token` and its `TOP_LOGPROBS` most likely tokens, from the
-    model's own distribution (before any penalty, temperature or filter), as OpenAI reports them."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    top, ids = jax.lax.top_k(logp, TOP_LOGPROBS)
-    return chosen, ids, top
-
-
-def _no_logprobs(logits, token):
-    rows = logits.shape[0]
-    return (
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, TOP_LOGPROBS), jnp.int32),
-        jnp.zeros((rows, TOP_LOGPROBS), jnp.float32),
-    )

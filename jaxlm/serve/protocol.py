@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 
 from jaxlm.batching.handle import RequestOutput, TokenLogprob
-from jaxlm.batching.step import TOP_LOGPROBS
+from jaxlm.batching.sampled import TOP_LOGPROBS
 from jaxlm.constrain import Grammar, GrammarError, grammar_of
 from jaxlm.requests import BIAS_RANGE, PENALTY_RANGE, is_int
 
