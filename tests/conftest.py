@@ -49,6 +49,15 @@ collect_ignore = [] if _SIMULATED_DEVICES else ["multidevice"]
 ROOT = Path(__file__).resolve().parent.parent
 # llama.cpp's greedy ids and tokenizer ids for the default model (`tests/data/README.md`).
 SMOLLM2_LLAMACPP = json.loads((ROOT / "tests" / "data" / "smollm2_llamacpp.json").read_text())
+# Chat requests to the default model whose answers repeat their prompt, and some that do not.
+CHATS = [
+    "Copy this sentence exactly: The old bridge over the river was closed for repairs in May, "
+    "and the ferry carried everyone across until the autumn.",
+    "Repeat after me: red, green, blue, red, green, blue, red, green, blue.",
+    "Add a comment to this code and return it:\n\ndef area(w, h):\n    return w * h\n",
+    "Fix the spelling and give the text back: The wether was cold and the childs stayed inside.",
+    "Write a haiku about winter.",
+]
 
 # The tests carry their own data: every file they open lies in the repository, in a temporary
 # directory, in what the interpreter and its packages (the default model included) and the

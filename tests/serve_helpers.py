@@ -51,6 +51,8 @@ def served_default_engine(model, tokenizer, name: str):
         page_size=16,
         num_pages=8 * 64 + 1,
         max_num_batched_tokens=64,
+        # Every request drafts where it can: the tests of served answers check drafted tokens.
+        speculative="ngram",
     )
     running = Running(create_app(engine, name))
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, live_executables_after
+from conftest import CHATS, ROOT, live_executables_after
 from conftest import SMOLLM2_LLAMACPP as REFERENCE
 
 import jaxlm
@@ -45,17 +45,6 @@ def test_greedy_generation_with_drafts_equals_llama_cpp(smollm2):
         accepted += out.accepted_tokens[0]
     # The continuations repeat themselves: drafts were kept, not only proposed.
     assert accepted > 0
-
-
-# Chat requests whose answers repeat their prompt, and some that do not.
-CHATS = [
-    "Copy this sentence exactly: The old bridge over the river was closed for repairs in May, "
-    "and the ferry carried everyone across until the autumn.",
-    "Repeat after me: red, green, blue, red, green, blue, red, green, blue.",
-    "Add a comment to this code and return it:\n\ndef area(w, h):\n    return w * h\n",
-    "Fix the spelling and give the text back: The wether was cold and the childs stayed inside.",
-    "Write a haiku about winter.",
-]
 
 
 def test_chats_answer_the_same_with_drafts(smollm2):

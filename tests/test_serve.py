@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import CHATS, SMOLLM2_LLAMACPP
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import free_port, wait_until_healthy
 
@@ -129,6 +130,30 @@ def test_sixteen_concurrent_streams_get_their_solo_tokens(smollm2, served, clien
         t.join()
     assert got == expected
     assert pages_in_use(served[1]) == 0
+
+
+def test_eight_requests_answer_the_same_with_drafts_as_without(smollm2, served):
+    # The served engine drafts (`speculative="ngram"`): eight chats at once, half of which
+    # repeat their prompt, and the reference prompts, each to its end, drafted or not.
+    _, tokenizer = smollm2
+    engine = served[1]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    prompts = [tokenizer.encode(c, add_special_tokens=False) for c in chats]
+    prompts += [c["prompt_ids"] for c in SMOLLM2_LLAMACPP["generations"]]
+    assert len(prompts) >= 8
+    before = engine.stats()
+
+    def answers(**kwargs):
+        handles = [engine.submit(p, max_new_tokens=48, **kwargs) for p in prompts]
+        return [h.result(timeout=300) for h in handles]
+
+    plain, drafted = answers(speculative=None), answers()
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert [r.finish_reason for r in drafted] == [r.finish_reason for r in plain]
+    after = engine.stats()
+    assert after.drafted_tokens - before.drafted_tokens > 0
+    assert after.accepted_tokens - before.accepted_tokens > 0
+    assert pages_in_use(engine) == 0
 
 
 def test_logprobs_of_greedy_tokens_are_the_top_ones(client):
@@ -311,6 +336,11 @@ def test_metrics_parse_and_move(served, client):
     )
     assert metric(after, "jaxlm_requests_total") == metric(before, "jaxlm_requests_total") + 1
     assert metric(after, "jaxlm_kv_pages_free") > 0
+    drafted, accepted = (
+        metric(after, f"jaxlm_spec_decode_num_{n}_tokens_total") for n in ("draft", "accepted")
+    )
+    stats = served[1].stats()
+    assert (drafted, accepted) == (stats.drafted_tokens, stats.accepted_tokens)
     for name in ("jaxlm_requests_running", "jaxlm_requests_waiting", "jaxlm_kv_pages_in_use"):
         assert metric(after, name) == 0
 
