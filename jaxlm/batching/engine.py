@@ -184,9 +184,12 @@ class LLMEngine:
         self.calls += 1
         with self._wake:
             if shape.drafts:
-                counts = out[-1, [rows[i] for i in drafting]]
-                self.drafted_tokens += int(counts[:, 1].sum())
-                self.accepted_tokens += int(counts[:, 2].sum())
+                counts = out[-1]
+                for c in batch.chunks:
+                    drafted, accepted, wait, backoff = counts[c.seq.slot, 1:5]
+                    self.drafted_tokens += int(drafted)
+                    self.accepted_tokens += int(accepted)
+                    c.seq.draft_wait, c.seq.draft_backoff = int(wait), int(backoff)
             for tokens, *logprobs in unpack(out):
                 sampled = {i: int(tokens[r]) for i, r in rows.items() if tokens[r] >= 0}
                 if len(sampled) < len(rows):

@@ -52,12 +52,42 @@ def sample(logits, x, generated, seen):
     penalized = jax.lax.cond(
         x["masked"], lambda v: sampling.apply_bitmask(v, x["mask"]), keep, penalized
     )
+    return _draw(logits, penalized, x["params"], x["keys"], generated, x["logprobs"])
+
+
+def sample_drafts(logits, x, generated, rows):
+    """`sample` at the positions of a chunk of drafts of each of `rows` (indices into `x`'s
+    rows): `logits` `[R, K, V]`, `generated` `[R, K]` (each position's count of tokens before
+    it); each output `[R, K, ...]`.
+
+    A row that drafts has no penalty and no grammar (the engine keeps those rows from
+    drafting), so only its `logit_bias` applies. The positions are rows of one batch, not a
+    `vmap` of `sample`: under `vmap` the conditions that skip a sort or a stage depend on the
+    batched logits, and XLA runs both branches."""
+    r, k, v = logits.shape
+
+    def per(a):
+        return jnp.repeat(a[rows], k, axis=0)
+
+    flat = logits.reshape(r * k, v)
+    biased = jax.lax.cond(
+        jnp.any(x["bias_ids"] < v),
+        lambda v: sampling.add_bias(v, per(x["bias_ids"]), per(x["bias"])),
+        lambda v: v,
+        flat,
+    )
+    params = {n: per(p) for n, p in x["params"].items()}
+    out = _draw(flat, biased, params, per(x["keys"]), generated.reshape(-1), x["logprobs"])
+    return tuple(o.reshape(r, k, *o.shape[1:]) for o in out)
+
+
+def _draw(logits, penalized, params, keys, generated, logprobs):
     # As `generate` keys its rows: a request's `n`-th token from `fold_in(key, n)`.
-    keys = jax.vmap(jax.random.fold_in)(x["keys"], generated)
+    keys = jax.vmap(jax.random.fold_in)(keys, generated)
     token = sampling.sample(
         penalized, keys, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
     )
-    return token, *jax.lax.cond(x["logprobs"], _logprobs, _no_logprobs, logits, token)
+    return token, *jax.lax.cond(logprobs, _logprobs, _no_logprobs, logits, token)
 
 
 def pack(sampled) -> jax.Array:

@@ -67,6 +67,10 @@ class SequenceState:
     # preemptions, and how many of `pages` are published.
     keys: list[int] = dataclasses.field(default_factory=list)
     published: int = 0
+    # With drafts (`jaxlm.batching.drafting`): the tokens to wait before drafting again, and
+    # the wait after the next chunk that keeps no draft.
+    draft_wait: int = 0
+    draft_backoff: int = 1
 
     @property
     def tokens(self) -> list[int]:

@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlm.batching.drafting import decode_with_drafts
 from jaxlm.batching.sampled import PACKED, pack, sample
 from jaxlm.batching.scheduler import Batch
 from jaxlm.engine import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import MAX_LOGIT_BIAS, Request
-from jaxlm.speculative import DRAFT, kept, propose
+from jaxlm.speculative import DRAFT
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
 
@@ -175,10 +176,11 @@ class Steps:
             spec["steps"] = sds((), jnp.int32)
             spec["stops"] = sds((rows, vocab), jnp.bool_)
         if shape.drafts:
-            # Each row's tokens, whether it drafts, and the slots its pages hold.
+            # Each row's tokens, whether it drafts, the slots its pages hold, and the tokens it
+            # waits before it drafts again and the wait after its next miss.
             spec["history"] = sds((rows, self.pages_per_seq * self.page_size), jnp.int32)
             spec["drafting"] = sds((rows,), jnp.bool_)
-            spec["limit"] = sds((rows,), jnp.int32)
+            spec.update({n: sds((rows,), jnp.int32) for n in ("limit", "wait", "backoff")})
         return spec
 
     def compile(self, state, pages) -> dict:
@@ -234,104 +236,12 @@ class Steps:
         return self._pin(carry[1]), carry[6]
 
     def _run_decode_drafts(self, layout, state, pages, buf):
-        # `_run_decode` where rows draft (`jaxlm.speculative`): each row runs and keeps tokens
-        # at its own pace, up to `steps` (a chunk may keep a few more; the host drops those
-        # past a request's end). A step runs every row's last token alone, or, where at least
-        # half the running rows draft, with their drafts as a chunk of `DRAFT + 1`, each
-        # position sampled with its own key, so the tokens are those `_run_decode` gives. Single
-        # tokens and chunks are two loops, not a `lax.cond`, whose branches XLA:CPU gives copies
-        # of the pages (`docs/performance.md`, "Speculative decoding").
         x = layout.unpack(buf)
         model = nnx.merge(self._graphdef, state)
-        decode, rows = x["decode"], self.rows
-        r, cols = jnp.arange(rows), jnp.arange(DRAFT + 1, dtype=jnp.int32)
-        most = self.decode_steps + DRAFT
-        live = decode["positions"][:, 0] >= 0
-        sample_at = jax.vmap(sample, in_axes=(1, None, 1, None), out_axes=1)
-
-        def plan(c):
-            active = live & (c["count"] < x["steps"]) & ~c["stopped"]
-            drafts, found = propose(c["history"], jnp.zeros((rows,), jnp.int32), c["pos"])
-            room = c["pos"] + DRAFT < x["limit"]
-            return {
-                **c,
-                "active": active,
-                "drafts": drafts,
-                "drafting": active & x["drafting"] & found & room,
-            }
-
-        def worth(c):
-            drafting = jnp.sum(c["drafting"])
-            return (drafting > 0) & (2 * drafting >= jnp.sum(c["active"]))
-
-        def run(c, ids, use):
-            # The rows' tokens `ids` [rows, W] from each row's last position, where `use`.
-            positions = jnp.where(use, c["pos"][:, None] + cols[: ids.shape[1]], -1)
-            group = {**decode, "input_ids": ids, "positions": positions, "last": None}
-            (logits,), pages = model.forward_paged([group], c["pages"])
-            generated = x["generated"][:, None] + c["count"][:, None] + cols[: ids.shape[1]]
-            return {**c, "pages": pages}, sample_at(logits, x, generated, c["seen"])
-
-        def keep(c, sampled, n, drafted):
-            # Record each row's first `n` tokens of `sampled`, up to its first stop token.
-            token, w = sampled[0], sampled[0].shape[1]
-            j = cols[None, :w]
-            stop = x["stops"][r[:, None], token] & (j < n[:, None])
-            n = jnp.minimum(n, jnp.min(jnp.where(stop, j, w), axis=1) + 1)
-            taken = j < n[:, None]
-            packed = jax.vmap(pack, in_axes=1, out_axes=1)(sampled)
-            at = jnp.where(taken, c["count"][:, None] + j, most)
-            slot = jnp.where(taken, c["pos"][:, None] + 1 + j, x["history"].shape[1])
-            c = {
-                **c,
-                "out": c["out"].at[at, r[:, None]].set(packed, mode="drop"),
-                "history": c["history"].at[r[:, None], slot].set(token, mode="drop"),
-                "seen": c["seen"]
-                .at[r[:, None], jnp.where(taken, token, self.vocab_size)]
-                .set(True, mode="drop"),
-                "pos": c["pos"] + n,
-                "count": c["count"] + n,
-                "stopped": c["stopped"] | jnp.any(stop & taken),
-                "drafted": c["drafted"] + drafted,
-                "accepted": c["accepted"] + jnp.where(drafted > 0, n - 1, 0),
-            }
-            return plan(c)
-
-        def single(c):
-            last = c["history"][r, jnp.maximum(c["pos"], 0)]
-            c, sampled = run(c, last[:, None], c["active"][:, None])
-            return keep(c, sampled, c["active"].astype(jnp.int32), 0)
-
-        def chunk(c):
-            last = c["history"][r, jnp.maximum(c["pos"], 0)]
-            ids = jnp.concatenate([last[:, None], c["drafts"]], axis=1)
-            use = jnp.where(cols == 0, c["active"][:, None], c["drafting"][:, None])
-            c, sampled = run(c, ids, use)
-            n = jnp.where(c["drafting"], kept(sampled[0], c["drafts"]) + 1, c["active"])
-            return keep(c, sampled, n, jnp.where(c["drafting"], DRAFT, 0))
-
-        def body(c):
-            c = jax.lax.while_loop(lambda c: jnp.any(c["active"]) & ~worth(c), single, c)
-            return jax.lax.while_loop(lambda c: jnp.any(c["active"]) & worth(c), chunk, c)
-
-        zeros = jnp.zeros((rows,), jnp.int32)
-        c = plan(
-            dict(
-                pages=pages,
-                history=x["history"],
-                seen=x["seen"],
-                pos=decode["positions"][:, 0],
-                count=zeros,
-                stopped=jnp.bool_(False),
-                out=jnp.full((most + 1, rows, PACKED), -1, jnp.int32),
-                drafted=zeros,
-                accepted=zeros,
-            )
+        pages, out = decode_with_drafts(
+            model, x, pages, decode_steps=self.decode_steps, vocab_size=self.vocab_size
         )
-        c = jax.lax.while_loop(lambda c: jnp.any(c["active"]), body, c)
-        # The last entry, never a token (-2), holds each row's drafted and accepted counts.
-        counts = jnp.stack([jnp.full((rows,), -2, jnp.int32), c["drafted"], c["accepted"]], 1)
-        return self._pin(c["pages"]), c["out"].at[most, :, :3].set(counts)
+        return self._pin(pages), out
 
     # The host's side.
 
@@ -417,7 +327,7 @@ class Steps:
         out = dict(
             history=np.zeros((rows, self.pages_per_seq * self.page_size), np.int32),
             drafting=np.zeros((rows,), bool),
-            limit=np.zeros((rows,), np.int32),
+            **{n: np.zeros((rows,), np.int32) for n in ("limit", "wait", "backoff")},
         )
         for c in batch.chunks:
             seq, r = c.seq, c.seq.slot
@@ -425,6 +335,7 @@ class Steps:
             out["history"][r, len(seq.prompt) : seq.num_tokens] = seq.output
             out["drafting"][r] = seq.id in drafting
             out["limit"][r] = len(seq.pages) * self.page_size
+            out["wait"][r], out["backoff"][r] = seq.draft_wait, seq.draft_backoff
         return out
 
     def shape(self, chunks) -> Shape:

@@ -1,0 +1,156 @@
+"""The engine's decode call with prompt-lookup drafts (`LLMEngine(speculative="ngram")`).
+
+Each row drafts from its own tokens (`jaxlm.speculative.propose`) and runs at its own pace, up
+to the call's `steps` tokens (a chunk may keep a few more; the host drops those past a
+request's end). A step runs every running row's last token, and where a row drafts, that row's
+last token and drafts as a second group of `DRAFT + 1` tokens: one row a step, so that a chunk
+adds `DRAFT + 1` columns to the step's products, not `DRAFT + 1` times its rows, and only while
+few enough rows run that what a chunk keeps outweighs what it adds (`busiest`). Every position
+is sampled with its own key, so a row's tokens are those it gives without drafts. After a
+chunk that kept none of its drafts, the row waits 2, 4, ... `MAX_BACKOFF` tokens before it
+drafts again; the wait carries over from call to call (`SequenceState.draft_wait`).
+
+Steps with a chunk and steps without are two `while_loop`s, not a `lax.cond`, whose branches
+XLA:CPU gives copies of the pages (`docs/performance.md`, "Speculative decoding").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.batching.sampled import PACKED, pack, sample, sample_drafts
+from jaxlm.speculative import DRAFT, MAX_BACKOFF, kept, propose
+
+# The columns up to which a step's products cost about the same as one (they read the weights
+# once), and the tokens a chunk keeps on text that repeats (2 of its 3 drafts): the cost model
+# of `busiest`.
+FLAT_COLUMNS = 8
+KEPT_PER_CHUNK = 2
+
+
+def busiest(rows: int) -> int:
+    """The most running rows at which a step of `rows` still runs a chunk: its `DRAFT + 1`
+    columns cost a share of the step that the tokens it keeps must exceed, spread over the
+    running rows (`docs/performance.md`, "Speculative decoding")."""
+    step, more = max(rows, FLAT_COLUMNS), max(rows + DRAFT + 1, FLAT_COLUMNS)
+    return rows if more == step else KEPT_PER_CHUNK * step // (more - step)
+
+
+def decode_with_drafts(model, x, pages, *, decode_steps: int, vocab_size: int):
+    """Up to `x["steps"]` tokens of each row of `x["decode"]`, drafted where a row may
+    (`x["drafting"]`) within the slots its pages hold (`x["limit"]`). Returns the pages and
+    the packed tokens `[decode_steps + DRAFT + 1, rows, PACKED]`: row `r`'s `i`-th token at
+    `[i, r]` (-1 past its last), and in the last entry each row's drafted and accepted counts
+    and its wait and backoff."""
+    decode = x["decode"]
+    rows = decode["positions"].shape[0]
+    r, cols = jnp.arange(rows), jnp.arange(DRAFT + 1, dtype=jnp.int32)
+    most = decode_steps + DRAFT
+    live = decode["positions"][:, 0] >= 0
+
+    def plan(c):
+        active = live & (c["count"] < x["steps"]) & ~c["stopped"]
+        drafts, found = propose(c["history"], jnp.zeros((rows,), jnp.int32), c["pos"])
+        room = c["pos"] + DRAFT < x["limit"]
+        can = active & x["drafting"] & found & room & (c["wait"] == 0)
+        can &= jnp.sum(active) <= busiest(rows)
+        # The row that has run the fewest tokens drafts: rows take turns.
+        pick = jnp.argmin(jnp.where(can, c["count"], jnp.iinfo(jnp.int32).max))
+        return {**c, "active": active, "drafts": drafts, "pick": pick, "can": jnp.any(can)}
+
+    def last(c):
+        return c["history"][r, jnp.maximum(c["pos"], 0)]
+
+    def generated(c):
+        return x["generated"] + c["count"]
+
+    def keep(c, sampled, n, drafted):
+        # Record each row's first `n` tokens of `sampled` [rows, W], up to its first stop token.
+        token, w = sampled[0], sampled[0].shape[1]
+        j = cols[None, :w]
+        stop = x["stops"][r[:, None], token] & (j < n[:, None])
+        n = jnp.minimum(n, jnp.min(jnp.where(stop, j, w), axis=1) + 1)
+        taken = j < n[:, None]
+        packed = jax.vmap(pack, in_axes=1, out_axes=1)(sampled)
+        at = jnp.where(taken, c["count"][:, None] + j, most)
+        slot = jnp.where(taken, c["pos"][:, None] + 1 + j, c["history"].shape[1])
+        seen = jnp.where(taken, token, vocab_size)
+        c = {
+            **c,
+            "out": c["out"].at[at, r[:, None]].set(packed, mode="drop"),
+            "history": c["history"].at[r[:, None], slot].set(token, mode="drop"),
+            "seen": c["seen"].at[r[:, None], seen].set(True, mode="drop"),
+            "pos": c["pos"] + n,
+            "count": c["count"] + n,
+            "stopped": c["stopped"] | jnp.any(stop & taken),
+            "wait": jnp.maximum(c["wait"] - n, 0),
+            "drafted": c["drafted"] + drafted,
+            "accepted": c["accepted"] + jnp.where(drafted > 0, n - 1, 0),
+        }
+        return c
+
+    def single(c):
+        positions = jnp.where(c["active"], c["pos"], -1)[:, None]
+        group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
+        (logits,), pages = model.forward_paged([group], c["pages"])
+        sampled = sample(logits[:, 0], x, generated(c), c["seen"])
+        c = keep({**c, "pages": pages}, [a[:, None] for a in sampled], c["active"], 0)
+        return plan(c)
+
+    def chunk(c):
+        pick, active = c["pick"], c["active"]
+        picked = r == pick
+        positions = jnp.where(active & ~picked, c["pos"], -1)[:, None]
+        group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
+        drafts = c["drafts"][pick]
+        chunk = {
+            "input_ids": jnp.concatenate([last(c)[pick, None], drafts])[None],
+            "positions": (c["pos"][pick] + cols)[None],
+            "table": decode["table"][pick][None],
+        }
+        (logits, chunk_logits), pages = model.forward_paged([group, chunk], c["pages"])
+        sampled = sample(logits[:, 0], x, generated(c), c["seen"])
+        at = generated(c)[pick] + cols
+        drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
+        # Every row's tokens [rows, DRAFT + 1]: the picked row's from the chunk.
+        sampled = [
+            jnp.where(picked.reshape(rows, *[1] * a.ndim), d, a[:, None])
+            for a, d in zip(sampled, drafted, strict=True)
+        ]
+        keeps = kept(drafted[0], drafts[None])[0]
+        n = jnp.where(picked, keeps + 1, active)
+        c = keep({**c, "pages": pages}, sampled, n, jnp.where(picked, DRAFT, 0))
+        # A chunk that kept no draft cost more than the token it gave: the row waits twice as
+        # long as last time before it drafts again; one that kept a draft resets the wait.
+        missed = keeps == 0
+        backoff = jnp.where(missed, jnp.minimum(2 * c["backoff"][pick], MAX_BACKOFF), 1)
+        c["backoff"] = c["backoff"].at[pick].set(backoff)
+        c["wait"] = c["wait"].at[pick].set(jnp.where(missed, backoff, 0))
+        return plan(c)
+
+    def body(c):
+        c = jax.lax.while_loop(lambda c: jnp.any(c["active"]) & ~c["can"], single, c)
+        return jax.lax.while_loop(lambda c: c["can"], chunk, c)
+
+    zeros = jnp.zeros((rows,), jnp.int32)
+    c = plan(
+        dict(
+            pages=pages,
+            history=x["history"],
+            seen=x["seen"],
+            pos=decode["positions"][:, 0],
+            count=zeros,
+            stopped=jnp.bool_(False),
+            out=jnp.full((most + 1, rows, PACKED), -1, jnp.int32),
+            wait=x["wait"],
+            backoff=x["backoff"],
+            drafted=zeros,
+            accepted=zeros,
+        )
+    )
+    c = jax.lax.while_loop(lambda c: jnp.any(c["active"]), body, c)
+    # The last entry, never a token (-2), holds each row's counts and its wait and backoff.
+    counts = [jnp.full((rows,), -2, jnp.int32), c["drafted"], c["accepted"], c["wait"]]
+    counts = jnp.stack([*counts, c["backoff"]], axis=1)
+    return c["pages"], c["out"].at[most, :, :5].set(counts)
