@@ -1,4 +1,5 @@
-"""Prompt-lookup drafts (`generate(..., speculative="ngram")`) against plain decoding, batch 1.
+"""Prompt-lookup drafts (`speculative="ngram"`) against plain decoding, in `generate` at batch 1
+or in an `LLMEngine`.
 
 Each task is one chat prompt, answered greedily with and without drafts; the tokens must be the
 same. Tasks whose answer repeats the prompt (a text copied out, a function given back with a
@@ -7,8 +8,13 @@ cost nothing. Per repeat, `generate` runs once with 1 new token and once with `-
 without drafts and then with; decode tok/s is the tokens after the first over the difference.
 The table gives both rates (medians), their ratio, and the drafts proposed and kept.
 
+With `--engine`, one `LLMEngine(speculative="ngram")` of `--max-num-seqs` slots serves each task
+alone and then every task `--copies` times at once (a mixed load), each request with drafts and
+without (`submit(..., speculative=None)`), alternated; tok/s is the tokens after each request's
+first over the time from the first of them to the last.
+
 Usage: python benchmarks/speculative.py [--model PATH] [--quantize int8] [--tasks A,B]
-    [--new-tokens 128] [--repeats 5] [--json PATH]
+    [--new-tokens 128] [--repeats 5] [--json PATH] [--engine [--max-num-seqs 8] [--copies 8]]
 """
 
 from __future__ import annotations
@@ -78,6 +84,84 @@ def _decode_rates(model, tokenizer, prompt, new_tokens, repeats):
     return [(statistics.median(rates[how]), outs[how]) for how in ways]
 
 
+def _generate_result(model, tokenizer, task, ids, args) -> dict:
+    (plain, base), (drafted, out) = _decode_rates(
+        model, tokenizer, ids, args.new_tokens, args.repeats
+    )
+    return dict(
+        task=task,
+        tokens=len(out.token_ids[0]),
+        plain_tok_s=plain,
+        ngram_tok_s=drafted,
+        ratio=drafted / plain,
+        drafted=out.drafted_tokens[0],
+        accepted=out.accepted_tokens[0],
+        same_tokens=out.token_ids == base.token_ids,
+    )
+
+
+def _engine_rates(engine, prompts, new_tokens, repeats):
+    """`_decode_rates` through `engine`: all `prompts` at once, tok/s from the first token of
+    any to the last, and the drafts kept / proposed of the last run with drafts."""
+    ways = (None, "ngram")
+
+    def run(how):
+        handles = [engine.submit(p, max_new_tokens=new_tokens, speculative=how) for p in prompts]
+        outs = [h.result() for h in handles]
+        first = min(h.token_times[0] for h in handles)
+        last = max(h.token_times[-1] for h in handles)
+        return sum(len(o.token_ids) - 1 for o in outs) / max(last - first, 1e-9), outs
+
+    for how in ways:
+        run(how)
+    rates, outs, counts = {how: [] for how in ways}, {}, (0, 0)
+    for _ in range(repeats):
+        for how in ways:
+            before = engine.stats()
+            rate, outs[how] = run(how)
+            rates[how].append(rate)
+            after = engine.stats()
+            if how is not None:
+                counts = (
+                    after.accepted_tokens - before.accepted_tokens,
+                    after.drafted_tokens - before.drafted_tokens,
+                )
+    same = [o.token_ids for o in outs[None]] == [o.token_ids for o in outs["ngram"]]
+    tokens = sum(len(o.token_ids) for o in outs["ngram"])
+    return statistics.median(rates[None]), statistics.median(rates["ngram"]), same, tokens, counts
+
+
+def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
+    import jaxlm
+
+    longest = max(len(p) for p in prompts.values()) + args.new_tokens
+    sizes = dict(max_num_seqs=args.max_num_seqs, max_seq_len=longest, page_size=16)
+    sizes["num_pages"] = 1 + args.max_num_seqs * -(-longest // 16)
+    loads = {f"{task} (alone)": [ids] for task, ids in prompts.items()}
+    loads[f"all tasks x{args.copies}, {args.max_num_seqs} slots"] = [
+        ids for _ in range(args.copies) for ids in prompts.values()
+    ]
+    results = []
+    with jaxlm.LLMEngine(model, tokenizer, speculative="ngram", **sizes) as engine:
+        for name, load in loads.items():
+            plain, drafted, same, tokens, (kept, made) = _engine_rates(
+                engine, load, args.new_tokens, args.repeats
+            )
+            results.append(
+                dict(
+                    task=name,
+                    tokens=tokens,
+                    plain_tok_s=plain,
+                    ngram_tok_s=drafted,
+                    ratio=drafted / plain,
+                    drafted=made,
+                    accepted=kept,
+                    same_tokens=same,
+                )
+            )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     import jaxlm
 
@@ -88,43 +172,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
+    p.add_argument("--engine", action="store_true", help="through an LLMEngine, not generate")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's slots")
+    p.add_argument("--copies", type=int, default=8, help="each task's requests in the mixed load")
     args = p.parse_args(argv)
     model, tokenizer = jaxlm.load(args.model, progress=False, quantize=args.quantize)
-    rows, results, busy = [], [], 0.0
-    for task in args.tasks.split(","):
-        text = TASKS[task]
-        ids = tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": text}]),
+    prompts = {
+        task: tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}]),
             add_special_tokens=False,
         )
-        with OtherLoad() as load:
-            (plain, base), (drafted, out) = _decode_rates(
-                model, tokenizer, ids, args.new_tokens, args.repeats
-            )
-        busy = max(busy, load.cores)
-        same = out.token_ids == base.token_ids
-        result = dict(
-            task=task,
-            tokens=len(out.token_ids[0]),
-            plain_tok_s=plain,
-            ngram_tok_s=drafted,
-            ratio=drafted / plain,
-            drafted=out.drafted_tokens[0],
-            accepted=out.accepted_tokens[0],
-            same_tokens=same,
+        for task in args.tasks.split(",")
+    }
+    with OtherLoad() as load:
+        if args.engine:
+            results = _engine_main(args, model, tokenizer, prompts)
+        else:
+            results = [_generate_result(model, tokenizer, t, p, args) for t, p in prompts.items()]
+    busy = load.cores
+    rows = [
+        (
+            r["task"],
+            str(r["tokens"]),
+            f"{r['plain_tok_s']:.1f}",
+            f"{r['ngram_tok_s']:.1f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['accepted']} / {r['drafted']}",
+            "yes" if r["same_tokens"] else "NO",
         )
-        results.append(result)
-        rows.append(
-            (
-                task,
-                str(result["tokens"]),
-                f"{plain:.1f}",
-                f"{drafted:.1f}",
-                f"{drafted / plain:.2f}x",
-                f"{result['accepted']} / {result['drafted']}",
-                "yes" if same else "NO",
-            )
-        )
+        for r in results
+    ]
     header = ("task", "tokens", "plain tok/s", "ngram tok/s", "ratio", "kept / drafted", "same")
     print("\n".join(text_table(header, rows)))
     print(f"load: {busy:.2f} cores kept busy by other processes (above 0.1: measure again)")

@@ -245,15 +245,20 @@ def test_serve_benchmark_times_every_request(tiny_tied, tmp_path, capsys):
     assert all(3 <= len(p) <= 9 and 2 <= n <= 5 for _, p, n in requests)
 
 
-def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_path):
+@pytest.mark.parametrize(
+    "engine", [[], ["--engine", "--max-num-seqs", "2", "--copies", "2"]], ids=["generate", "engine"]
+)
+def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_path, engine):
     speculative = load_benchmark("speculative")
     out = tmp_path / "speculative.json"
     # The tiny model's context holds the shortest prompt.
     argv = ["--model", str(tiny_chat), "--tasks", "explain", "--new-tokens", "12", "--repeats", "1"]
-    assert speculative.main([*argv, "--json", str(out)]) == 0
+    assert speculative.main([*argv, *engine, "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["task"] for r in results] == ["explain"]
+    tasks = ["explain (alone)", "all tasks x2, 2 slots"] if engine else ["explain"]
+    assert [r["task"] for r in results] == tasks
     assert all(r["same_tokens"] and r["accepted"] <= r["drafted"] for r in results)
+    assert all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in results)
 
 
 def test_serve_benchmark_over_http_times_every_request(tiny_chat, tmp_path):
