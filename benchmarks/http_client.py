@@ -194,13 +194,17 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def jaxlm_server(model, port: int, max_num_seqs: int, max_seq_len: int, page_size: int) -> Server:
+def jaxlm_server(
+    model, port: int, max_num_seqs: int, max_seq_len: int, page_size: int, speculative=None
+) -> Server:
     """`jaxlm serve` with the engine of the in-process run: every sequence fits at its
     longest, so none is preempted."""
     pages = max_num_seqs * -(-max_seq_len // page_size) + 1
     command = [sys.executable, "-m", "jaxlm", "serve", "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--max-seq-len", str(max_seq_len)]
     command += ["--page-size", str(page_size), "--num-pages", str(pages)]
+    if speculative is not None:
+        command += ["--speculative", speculative]
     if model is not None:
         command += ["--model", str(model)]
     return Server("jaxlm serve", command, port)

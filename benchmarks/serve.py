@@ -10,6 +10,10 @@ Each runs the whole stream once to compile and warm up, then again for the figur
 and output tokens per second, TTFT (arrival to first token), TPOT ((last token - first token)
 / (tokens - 1)) and ITL (gaps between tokens), p50 / p90 / p99.
 
+With `--speculative ngram`, the engine (local, or `jaxlm serve`) drafts tokens from each
+request's own text; the random prompts here never repeat, so this measures what drafting costs
+where it finds nothing (`benchmarks/speculative.py --engine` measures where it pays).
+
 With `--constrained`, the engine serves the stream once more with every request held to a JSON
 schema (`llguidance`'s token masks, one decode step per call): output tokens/s of both in the
 same run, and the host's time filling a mask per constrained token.
@@ -21,7 +25,7 @@ are a client's: TTFT from sending to the first chunk with a token, ITL the gaps 
 
 Usage: python benchmarks/serve.py [--model PATH] [--requests 32] [--rate 4] [--max-num-seqs 8]
     [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--max-num-batched-tokens 256]
-    [--json PATH] [--constrained]
+    [--json PATH] [--constrained] [--speculative ngram]
     [--url http://127.0.0.1:8000/v1] [--vs llama.cpp [--llama-server PATH]]
 """
 
@@ -178,6 +182,7 @@ def run_local(args, requests) -> dict:
         page_size=args.page_size,
         num_pages=pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative=args.speculative,
     ) as engine:
         run_engine(engine, requests)
         with OtherLoad() as busy:
@@ -265,7 +270,7 @@ def run_servers(args, requests, vocab: int, tokenizer) -> dict:
     else:
         port = http_client.free_port()
         targets["jaxlm serve"] = http_client.jaxlm_server(
-            args.model, port, args.max_num_seqs, longest, args.page_size
+            args.model, port, args.max_num_seqs, longest, args.page_size, args.speculative
         )
     if "llama.cpp" in args.vs:
         binary = args.llama_server or os.environ.get("LLAMA_SERVER")
@@ -333,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="serve the stream again with every request held to a JSON schema",
     )
+    p.add_argument("--speculative", choices=["ngram"], default=None, help="engine drafts")
     p.add_argument("--url", default=None, help="an OpenAI-compatible server's base URL (.../v1)")
     p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
     p.add_argument("--llama-server", default=None, help="llama.cpp's server binary")

@@ -63,10 +63,10 @@ class FakeStep:
         return sampled, stop
 
 
-def run(scheduler, requests, arrivals, stop_token=None, step=None, max_steps=10_000):
+def run(scheduler, requests, arrivals, stop_token=None, step=None, max_steps=10_000, spare=0):
     """Submit `requests` (prompt, max_new_tokens) at the step `arrivals` give, run until all
-    are done; returns the sequences, the order in which they were first scheduled and the
-    fake step."""
+    are done (with pages for `spare` slots more where free, as for drafts); returns the
+    sequences, the order in which they were first scheduled and the fake step."""
     step = step or FakeStep(scheduler.pool)
     pending = sorted(zip(arrivals, range(len(requests)), requests, strict=True))
     seqs, started = {}, []
@@ -76,8 +76,9 @@ def run(scheduler, requests, arrivals, stop_token=None, step=None, max_steps=10_
             seqs[i] = scheduler.submit(prompt, new)
         if not scheduler.has_work() and not pending:
             break
-        batch = scheduler.schedule()
+        batch = scheduler.schedule(1, spare)
         assert batch.num_tokens <= scheduler.max_num_batched_tokens
+        assert all(len(c.seq.pages) <= scheduler.pages_per_seq for c in batch.chunks)
         prefills = [c for c in batch.chunks if c.start + 1 < len(c.seq.tokens)]
         limit = scheduler.max_prefill_chunks
         assert limit is None or len(prefills) <= limit
@@ -122,6 +123,7 @@ requests_strategy = st.lists(
     stop_token=st.sampled_from([None, 0, 7]),
     max_prefill_chunks=st.sampled_from([None, 1, 2]),
     chunk_shapes=st.sampled_from([None, {2: 4, 4: 2, 8: 1}, {3: 3, 5: 1}]),
+    spare=st.sampled_from([0, 3]),
 )
 def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
     requests,
@@ -134,6 +136,7 @@ def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
     stop_token,
     max_prefill_chunks,
     chunk_shapes,
+    spare,
 ):
     # Small token alphabets make prompts share prefixes; few pages make sequences preempt.
     pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
@@ -147,7 +150,7 @@ def test_every_sequence_gets_its_solo_tokens_and_every_page_comes_back(
     fits = [(p, n) for p, n in requests if len(p) + n - 1 <= pool.num_usable * page_size]
     if not fits:
         return
-    seqs, _, _ = run(scheduler, fits, arrivals[: len(fits)], stop_token)
+    seqs, _, _ = run(scheduler, fits, arrivals[: len(fits)], stop_token, spare=spare)
     for i, (prompt, new) in enumerate(fits):
         assert seqs[i].status is Status.FINISHED
         assert seqs[i].output == solo(prompt, new, stop_token), (i, seqs[i])

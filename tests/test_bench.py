@@ -267,7 +267,7 @@ def test_serve_benchmark_over_http_times_every_request(tiny_chat, tmp_path):
     port = http_client.free_port()
     command = [sys.executable, "-m", "jaxlm", "serve", "--model", str(tiny_chat)]
     command += ["--port", str(port), "--max-num-seqs", "2", "--max-seq-len", "64"]
-    command += ["--page-size", "4", "--max-num-batched-tokens", "16"]
+    command += ["--page-size", "4", "--max-num-batched-tokens", "16", "--speculative", "ngram"]
     out = tmp_path / "serve.json"
     url = f"http://127.0.0.1:{port}/v1"
     argv = ["--model", str(tiny_chat), "--url", url, "--requests", "6", "--rate", "50"]

@@ -167,7 +167,9 @@ class LLMEngine:
                 self._wake.wait()
             if self._closed:
                 return False
-            batch = self.scheduler.schedule(self.decode_steps, DRAFT if self.speculative else 0)
+            # Slots for drafts, where a request drafts.
+            spare = DRAFT if any(h._drafts for h in self._handles.values()) else 0
+            batch = self.scheduler.schedule(self.decode_steps, spare)
             if not batch.chunks:
                 return True
             requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
@@ -337,7 +339,7 @@ class LLMEngine:
             raise ValueError(
                 f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}"
             )
-        if speculative is ENGINE_DEFAULT:
+        if speculative == ENGINE_DEFAULT:
             speculative = self.speculative
         check_method(speculative)
         if speculative is not None and self.speculative is None:
