@@ -293,7 +293,14 @@ def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
         k_shape = engine.pages["model"]["layers"][0]["self_attn"]["k_pages"].shape
         shape = "f32[" + ",".join(map(str, k_shape)) + "]"
         # Decode alone, and one or two prompt chunks of each width that 64 tokens hold.
-        assert set(engine.compiled) == {(0, 0), (1, 16), (2, 16), (1, 32), (2, 32), (1, 64)}
+        assert set(engine.compiled) == {
+            Shape(0, 0),
+            Shape(1, 16),
+            Shape(2, 16),
+            Shape(1, 32),
+            Shape(2, 32),
+            Shape(1, 64),
+        }
         # Ten times the pages: XLA aliases all of them, and the temporaries stay the same, so
         # they hold no copy of the pages.
         more = jaxlm.plan(tiny, num_pages=4000, **sizes).executables

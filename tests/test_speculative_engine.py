@@ -101,6 +101,35 @@ def test_stop_tokens_end_a_request_inside_a_kept_chunk(engine):
     assert all(r.finish_reason == "stop" for r in results)
 
 
+def test_a_request_cancelled_while_it_drafts_leaves_the_engine_serving(engine):
+    # The call with drafts is held until the request is cancelled, so that it returns for a
+    # sequence that has left its slot.
+    compiled, gate, entered = dict(engine.compiled), threading.Event(), threading.Event()
+
+    def held(shape):
+        def call(*args):
+            if shape.drafts:
+                entered.set()
+                gate.wait(timeout=60)
+            return compiled[shape](*args)
+
+        return call
+
+    engine.compiled = {shape: held(shape) for shape in compiled}
+    try:
+        handle = engine.submit(LOOPS[0], max_new_tokens=60, stop_token_ids=[])
+        assert entered.wait(timeout=60)
+        handle.cancel()
+        gate.set()
+        assert handle.result(timeout=60).finish_reason == "cancelled"
+    finally:
+        gate.set()
+        engine.compiled = compiled
+    want = run(engine, LOOPS[1:2], max_new_tokens=20, speculative=None)[0].token_ids
+    assert run(engine, LOOPS[1:2], max_new_tokens=20)[0].token_ids == want
+    assert engine.is_running and engine.pool.num_in_use == 0
+
+
 def test_two_hundred_requests_with_drafts_leave_every_page_free(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     # Few pages: sequences that draft take spare pages, and some are preempted.

@@ -186,9 +186,9 @@ class LLMEngine:
         self.calls += 1
         with self._wake:
             if shape.drafts:
-                counts = out[-1]
+                # By the slots of the call: a request cancelled while it ran has none now.
                 for c in batch.chunks:
-                    drafted, accepted, wait, backoff = counts[c.seq.slot, 1:5]
+                    drafted, accepted, wait, backoff = out[-1, rows[c.seq.id], 1:5]
                     self.drafted_tokens += int(drafted)
                     self.accepted_tokens += int(accepted)
                     c.seq.draft_wait, c.seq.draft_backoff = int(wait), int(backoff)

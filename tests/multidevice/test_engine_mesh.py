@@ -63,7 +63,8 @@ def test_sixteen_requests_on_a_mesh_equal_one_device(saved, single, mesh):
 
 def test_pages_split_by_kv_head_and_stay_in_place(saved):
     model, _ = jaxlm.load(saved, mesh=(1, 2))
-    plan = jaxlm.plan(model, **SIZES)
+    # With the step that verifies drafts, which must keep its pages in place too.
+    plan = jaxlm.plan(model, speculative="ngram", **SIZES)
     c = model.config
     slot = plan.layout.slots[0]
     assert slot.sharding.spec == P(None, "model", None, None)
@@ -75,7 +76,11 @@ def test_pages_split_by_kv_head_and_stay_in_place(saved):
         assert sum(x.addressable_shards[0].data.nbytes for x in pages) == plan.scratch_bytes
         assert sum(x.nbytes for x in pages) == 2 * plan.scratch_bytes
         before = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in pages]
-        engine.generate([[1, 2, 3] * 7, [4, 5]], max_new_tokens=6, stop_token_ids=[])
+        prompts, kw = [[1, 2, 3] * 7, [4, 5]], dict(max_new_tokens=12, stop_token_ids=[])
+        drafted = engine.generate(prompts, **kw)
+        assert [r.token_ids for r in drafted] == [
+            r.token_ids for r in engine.generate(prompts, speculative=None, **kw)
+        ]
         after = jax.tree.leaves(engine.pages)
         assert [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in after] == (
             before
