@@ -242,9 +242,8 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
         room = (d["index"] + speculative.DRAFT < seq) & (limit - _generated(s) > 1)
         return drafts, jnp.all(found | d["done"]) & room & _running(s, limit)
 
-    def verify(s):
+    def verify(s, proposed):
         d = s["decode"]
-        proposed, _ = drafts(s)
         index, done, left = d["index"], d["done"], limit - _generated(s) - 1
         # The drafts take their slots first, so that each position's penalty sees those before.
         tokens = jax.lax.dynamic_update_slice(d["tokens"], proposed, (0, index + 1))
@@ -267,35 +266,36 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
         }
         return {**s, "decode": d}
 
+    # The carry: the state, the tokens to wait before drafting, the wait after the next miss,
+    # and the state's drafts and whether the next step verifies them, computed once a step.
     def single(c):
-        s, wait, backoff = c
-        return _one_token(model, s, params, stop, None), jnp.maximum(wait - 1, 0), backoff
+        s, wait, backoff, _, _ = c
+        s = _one_token(model, s, params, stop, None)
+        return (s, jnp.maximum(wait - 1, 0), backoff, *drafts(s))
 
     def chunk(c):
-        s, _, backoff = c
+        s, _, backoff, proposed, _ = c
         before = s["decode"]["accepted"]
-        s = verify(s)
+        s = verify(s, proposed)
         # A chunk that kept no draft cost more than the token it gave: wait twice as long
         # before the next (at most `MAX_BACKOFF` tokens); one that kept a draft resets.
         missed = jnp.all(s["decode"]["accepted"] == before)
         backoff = jnp.where(missed, jnp.minimum(2 * backoff, speculative.MAX_BACKOFF), 1)
-        return s, jnp.where(missed, backoff, 0), backoff
+        return (s, jnp.where(missed, backoff, 0), backoff, *drafts(s))
 
     def body(c):
         # Single tokens until every row drafts, then one chunk: loops rather than a `lax.cond`,
         # whose branches XLA:CPU gives copies of the pages (see `docs/performance.md`,
         # "Speculative decoding").
-        c = jax.lax.while_loop(
-            lambda c: _running(c[0], limit) & ((c[1] > 0) | ~drafts(c[0])[1]), single, c
-        )
+        c = jax.lax.while_loop(lambda c: _running(c[0], limit) & ((c[1] > 0) | ~c[4]), single, c)
         c, _ = jax.lax.while_loop(
-            lambda c: c[1] & drafts(c[0][0])[1], lambda c: (chunk(c[0]), False), (c, True)
+            lambda c: c[1] & c[0][4], lambda c: (chunk(c[0]), False), (c, True)
         )
         return c
 
     one = jnp.int32(1)
-    s, _, _ = jax.lax.while_loop(lambda c: _running(c[0], limit), body, (scratch, one - 1, one))
-    return s
+    c = (scratch, one - 1, one, *drafts(scratch))
+    return jax.lax.while_loop(lambda c: _running(c[0], limit), body, c)[0]
 
 
 class Engine:
