@@ -14,7 +14,8 @@ without (`submit(..., speculative=None)`), alternated; tok/s is the tokens after
 first over the time from the first of them to the last.
 
 Usage: python benchmarks/speculative.py [--model PATH] [--quantize int8] [--tasks A,B]
-    [--new-tokens 128] [--repeats 5] [--json PATH] [--engine [--max-num-seqs 8] [--copies 8]]
+    [--new-tokens 128] [--repeats 5] [--json PATH]
+    [--engine [--max-num-seqs 8] [--copies 8] [--max-num-batched-tokens 256]]
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
 
     longest = max(len(p) for p in prompts.values()) + args.new_tokens
     sizes = dict(max_num_seqs=args.max_num_seqs, max_seq_len=longest, page_size=16)
+    sizes["max_num_batched_tokens"] = args.max_num_batched_tokens
     sizes["num_pages"] = 1 + args.max_num_seqs * -(-longest // 16)
     loads = {f"{task} (alone)": [ids] for task, ids in prompts.items()}
     loads[f"all tasks x{args.copies}, {args.max_num_seqs} slots"] = [
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="store_true", help="through an LLMEngine, not generate")
     p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's slots")
     p.add_argument("--copies", type=int, default=8, help="each task's requests in the mixed load")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="the engine's step")
     args = p.parse_args(argv)
     model, tokenizer = jaxlm.load(args.model, progress=False, quantize=args.quantize)
     prompts = {

@@ -6,8 +6,8 @@ several sequences padded to one of a few widths, as many as a power of two up to
 `max_num_batched_tokens` holds at that width (`Shape`), samples the next token of every row
 that has reached its end, and returns the pages updated in place. A step of decode tokens alone
 (`Shape(0, 0)`) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens
-it sampled; with prompt-lookup drafts (`Shape(0, 0, DRAFT)`, `jaxlm.speculative`), a step of that
-loop may run each row's last token and its drafts as a chunk and keep several tokens.
+it sampled; with prompt-lookup drafts (`Shape(0, 0, DRAFT)`, `jaxlm.batching.drafting`), a step
+may also run one row's last token and drafts as a chunk beside the others' tokens.
 
 A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
 int32 array: each array a call takes from the host or gives back makes the calling thread give
@@ -38,8 +38,8 @@ _SAMPLING_DTYPES = {"top_k": np.int32}
 
 
 class Shape(NamedTuple):
-    """A step's shape: `chunks` prompt chunks of `width` tokens each (0 and 0: decode alone,
-    with `drafts` tokens drafted per row where it verifies drafts)."""
+    """A step's shape: `chunks` prompt chunks of `width` tokens each (0 and 0: decode alone;
+    with `drafts`, decode that verifies that many drafted tokens at a time)."""
 
     chunks: int
     width: int
@@ -322,7 +322,8 @@ class Steps:
         return shape, self.layouts[shape].pack(x)
 
     def _history(self, batch: Batch, drafting: set[int]) -> dict:
-        """Each row's tokens, whether it may draft, and the slots its pages hold."""
+        """Each row's tokens, whether it may draft, the slots its pages hold, and its wait and
+        backoff (`SequenceState.draft_wait`, `draft_backoff`)."""
         rows = self.rows
         out = dict(
             history=np.zeros((rows, self.pages_per_seq * self.page_size), np.int32),
