@@ -14,7 +14,7 @@ without (`submit(..., speculative=None)`), alternated; tok/s is the tokens after
 first over the time from the first of them to the last.
 
 Usage: python benchmarks/speculative.py [--model PATH] [--quantize int8] [--tasks A,B]
-    [--new-tokens 128] [--repeats 5] [--json PATH]
+    [--new-tokens 128] [--repeats 5] [--num-speculative-tokens 3] [--json PATH]
     [--engine [--max-num-seqs 8] [--copies 8] [--max-num-batched-tokens 256]]
 """
 
@@ -60,7 +60,12 @@ TASKS = {
 }
 
 
-def _decode_rates(model, tokenizer, prompt, new_tokens, repeats):
+def _asked(how, drafts) -> dict:
+    """`generate`'s drafting arguments: none, or `how` with `drafts` tokens a step."""
+    return {} if how is None else dict(speculative=how, num_speculative_tokens=drafts)
+
+
+def _decode_rates(model, tokenizer, prompt, new_tokens, repeats, drafts):
     """Median decode tok/s without and with drafts, and the last result of each; the two
     alternate run by run, after runs that compile, so that drift falls on both alike."""
     import jaxlm
@@ -68,18 +73,17 @@ def _decode_rates(model, tokenizer, prompt, new_tokens, repeats):
     ways = (None, "ngram")
     for how in ways:
         for n in (1, new_tokens):
-            jaxlm.generate(model, tokenizer, prompt, max_new_tokens=n, speculative=how)
+            jaxlm.generate(model, tokenizer, prompt, max_new_tokens=n, **_asked(how, drafts))
     rates = {how: [] for how in ways}
     outs = {}
     for _ in range(repeats):
         for how in ways:
+            asked = _asked(how, drafts)
             start = time.perf_counter()
-            jaxlm.generate(model, tokenizer, prompt, max_new_tokens=1, speculative=how)
+            jaxlm.generate(model, tokenizer, prompt, max_new_tokens=1, **asked)
             t1 = time.perf_counter() - start
             start = time.perf_counter()
-            outs[how] = jaxlm.generate(
-                model, tokenizer, prompt, max_new_tokens=new_tokens, speculative=how
-            )
+            outs[how] = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=new_tokens, **asked)
             tn = time.perf_counter() - start
             rates[how].append((len(outs[how].token_ids[0]) - 1) / max(tn - t1, 1e-9))
     return [(statistics.median(rates[how]), outs[how]) for how in ways]
@@ -87,7 +91,7 @@ def _decode_rates(model, tokenizer, prompt, new_tokens, repeats):
 
 def _generate_result(model, tokenizer, task, ids, args) -> dict:
     (plain, base), (drafted, out) = _decode_rates(
-        model, tokenizer, ids, args.new_tokens, args.repeats
+        model, tokenizer, ids, args.new_tokens, args.repeats, args.num_speculative_tokens
     )
     return dict(
         task=task,
@@ -144,7 +148,10 @@ def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
         ids for _ in range(args.copies) for ids in prompts.values()
     ]
     results = []
-    with jaxlm.LLMEngine(model, tokenizer, speculative="ngram", **sizes) as engine:
+    drafts = args.num_speculative_tokens
+    with jaxlm.LLMEngine(
+        model, tokenizer, speculative="ngram", num_speculative_tokens=drafts, **sizes
+    ) as engine:
         for name, load in loads.items():
             plain, drafted, same, tokens, (kept, made) = _engine_rates(
                 engine, load, args.new_tokens, args.repeats
@@ -173,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", default=",".join(TASKS), help="comma list of tasks to run")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="drafts a step (default 3)"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     p.add_argument("--engine", action="store_true", help="through an LLMEngine, not generate")
     p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's slots")

@@ -80,6 +80,16 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
         default=None,
         help="draft tokens from the prompt and check them in the same step (the same output)",
     )
+    _drafts_option(p)
+
+
+def _drafts_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens drafted a step with --speculative (default 3)",
+    )
 
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -88,7 +98,14 @@ PLAN_STEPS = ("generate", "start", "decode")
 
 
 def _sampling(args) -> dict:
-    names = ("max_new_tokens", *SAMPLING_OPTIONS, "seed", "stop", "speculative")
+    names = (
+        "max_new_tokens",
+        *SAMPLING_OPTIONS,
+        "seed",
+        "stop",
+        "speculative",
+        "num_speculative_tokens",
+    )
     return {name: getattr(args, name) for name in names}
 
 
@@ -144,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="requests draft tokens from their own text, checked in the same step",
     )
+    _drafts_option(s)
     s.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json", "mistral", "json"),
@@ -290,6 +308,7 @@ def _serve(args) -> None:
         prefix_cache=not args.no_prefix_cache,
         decode_steps=args.decode_steps,
         speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     print(f"{engine.plan}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(
@@ -327,11 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     commands = {"generate": _generate, "chat": _chat, "plan": _plan, "serve": _serve}
     try:
+        # Refuse a bad value before the model loads, not after.
         if args.command in ("generate", "chat"):
-            # Refuse a bad value before the model loads, not after.
             from jaxlm.requests import check_sampling
 
             check_sampling(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
+        if args.command in ("generate", "chat", "serve"):
+            from jaxlm.speculative import drafts_of
+
+            drafts_of(args.speculative, args.num_speculative_tokens)
         if args.command == "bench":
             from jaxlm.bench import run
 

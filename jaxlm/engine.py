@@ -229,27 +229,27 @@ def decode_loop(model, scratch, params, stop, limit, mask=None):
     )
 
 
-def decode_loop_ngram(model, scratch, params, stop, limit):
+def decode_loop_ngram(model, scratch, params, stop, limit, drafts):
     """`decode_loop` with prompt-lookup drafts (`jaxlm.speculative`): a step where every
-    unfinished row drafts runs each row's last token and its drafts as one chunk and keeps what
-    they accept, otherwise one token; the tokens are those `decode_loop` gives."""
+    unfinished row drafts runs each row's last token and its `drafts` drafts as one chunk and
+    keeps what they accept, otherwise one token; the tokens are those `decode_loop` gives."""
     seq = scratch["decode"]["tokens"].shape[1]
 
-    def drafts(s):
+    def look_up(s):
         """The rows' drafts, and whether the next step verifies them."""
         d = s["decode"]
-        drafts, found = speculative.propose(d["tokens"], d["start"], d["index"])
-        room = (d["index"] + speculative.DRAFT < seq) & (limit - _generated(s) > 1)
-        return drafts, jnp.all(found | d["done"]) & room & _running(s, limit)
+        proposed, found = speculative.propose(d["tokens"], d["start"], d["index"], drafts)
+        room = (d["index"] + drafts < seq) & (limit - _generated(s) > 1)
+        return proposed, jnp.all(found | d["done"]) & room & _running(s, limit)
 
     def verify(s, proposed):
         d = s["decode"]
         index, done, left = d["index"], d["done"], limit - _generated(s) - 1
         # The drafts take their slots first, so that each position's penalty sees those before.
         tokens = jax.lax.dynamic_update_slice(d["tokens"], proposed, (0, index + 1))
-        ids = jax.lax.dynamic_slice_in_dim(tokens, index, speculative.DRAFT + 1, 1)
+        ids = jax.lax.dynamic_slice_in_dim(tokens, index, drafts + 1, 1)
         logits, s = _forward(model, {**s, "decode": {**d, "tokens": tokens}}, ids, None)
-        slots = index + 1 + jnp.arange(speculative.DRAFT + 1, dtype=jnp.int32)
+        slots = index + 1 + jnp.arange(drafts + 1, dtype=jnp.int32)
         sampled = _choose(s["decode"], logits, params, slots)
         keep = jnp.minimum(speculative.accepted(sampled, proposed, done), left)
         d = jax.lax.fori_loop(
@@ -261,7 +261,7 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
         d = {
             **d,
             "index": index + 1 + keep,
-            "drafted": d["drafted"] + jnp.where(done, 0, speculative.DRAFT),
+            "drafted": d["drafted"] + jnp.where(done, 0, drafts),
             "accepted": d["accepted"] + jnp.where(done, 0, keep),
         }
         return {**s, "decode": d}
@@ -271,7 +271,7 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
     def single(c):
         s, wait, backoff, _, _ = c
         s = _one_token(model, s, params, stop, None)
-        return (s, jnp.maximum(wait - 1, 0), backoff, *drafts(s))
+        return (s, jnp.maximum(wait - 1, 0), backoff, *look_up(s))
 
     def chunk(c):
         s, _, backoff, proposed, _ = c
@@ -281,7 +281,7 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
         # before the next (at most `MAX_BACKOFF` tokens); one that kept a draft resets.
         missed = jnp.all(s["decode"]["accepted"] == before)
         backoff = jnp.where(missed, jnp.minimum(2 * backoff, speculative.MAX_BACKOFF), 1)
-        return (s, jnp.where(missed, backoff, 0), backoff, *drafts(s))
+        return (s, jnp.where(missed, backoff, 0), backoff, *look_up(s))
 
     def body(c):
         # Single tokens until every row drafts, then one chunk: loops rather than a `lax.cond`,
@@ -294,7 +294,7 @@ def decode_loop_ngram(model, scratch, params, stop, limit):
         return c
 
     one = jnp.int32(1)
-    c = (scratch, one - 1, one, *drafts(scratch))
+    c = (scratch, one - 1, one, *look_up(scratch))
     return jax.lax.while_loop(lambda c: _running(c[0], limit), body, c)[0]
 
 
@@ -401,9 +401,9 @@ def _generate(model, scratch, prompt, lengths, rng, params, stop, limit, chunk):
     return decode_loop(model, scratch, params, stop, limit)
 
 
-def _generate_ngram(model, scratch, prompt, lengths, rng, params, stop, limit, chunk):
+def _generate_ngram(model, scratch, prompt, lengths, rng, params, stop, limit, chunk, drafts):
     scratch = start(model, scratch, prompt, lengths, rng, params, stop, chunk)
-    return decode_loop_ngram(model, scratch, params, stop, limit)
+    return decode_loop_ngram(model, scratch, params, stop, limit, drafts)
 
 
 # Each step run by a plan, and its static arguments.
@@ -414,8 +414,8 @@ _STEP_FUNCTIONS = {
     "decode": (decode_loop, ()),
     "start_masked": (start, ("chunk",)),
     "decode_masked": (decode_loop, ()),
-    "generate_ngram": (_generate_ngram, ("chunk",)),
-    "decode_ngram": (decode_loop_ngram, ()),
+    "generate_ngram": (_generate_ngram, ("chunk", "drafts")),
+    "decode_ngram": (decode_loop_ngram, ("drafts",)),
 }
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -444,8 +444,11 @@ def weights_bytes(model: nnx.Module) -> int:
     return sum(shard_bytes(x) for x in jax.tree.leaves(nnx.state(model)))
 
 
-def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, ...]) -> dict:
-    """Compile `steps` for a plan's shapes, without allocating anything."""
+def compile_steps(
+    engine: Engine, layout: Layout, chunk: int, steps: tuple[str, ...], drafts: int
+) -> dict:
+    """Compile `steps` for a plan's shapes, those with drafts for `drafts` tokens a step,
+    without allocating anything."""
     sharded = engine.partitioner is not None
     params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None),
@@ -461,10 +464,9 @@ def compile_steps(engine: Engine, layout: Layout, chunk: int, steps: tuple[str, 
         "start": ((params, scratch, *prompt), {"chunk": chunk}),
         "decode": ((params, scratch, x["params"], x["stops"], x["limit"]), {}),
     }
-    arguments["generate_ngram"], arguments["decode_ngram"] = (
-        arguments["generate"],
-        arguments["decode"],
-    )
+    for name in ("generate", "decode"):
+        args, kwargs = arguments[name]
+        arguments[f"{name}_ngram"] = (args, {**kwargs, "drafts": drafts})
     for name in ("start", "decode"):
         args, kwargs = arguments[name]
         arguments[f"{name}_masked"] = (args, {**kwargs, "mask": x["mask"]})

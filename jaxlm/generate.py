@@ -33,7 +33,7 @@ from jaxlm.plans import (
     shapes,
 )
 from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_request
-from jaxlm.speculative import DRAFT, check_method
+from jaxlm.speculative import drafts_of
 from jaxlm.stops import token_table
 
 STREAM_CHUNK = 8
@@ -57,12 +57,12 @@ class GenerationResult:
 
 
 def _prepare(
-    model, tokenizer, req: Request, given: Plan | None, steps: tuple[str, ...]
+    model, tokenizer, req: Request, given: Plan | None, steps: tuple[str, ...], drafts: int
 ) -> tuple[Plan, int, dict]:
-    """The plan of a request that runs `steps`, its prefill chunk, and its padded inputs."""
-    spare = DRAFT if steps[-1].endswith("_ngram") else 0
-    batch, p, seq, chunk = shapes(req, given, data_devices(model), spare)
-    the_plan = plan_for(model, batch, p, seq, chunk, given, steps)
+    """The plan of a request that runs `steps`, drafting `drafts` tokens a step, its prefill
+    chunk, and its padded inputs."""
+    batch, p, seq, chunk = shapes(req, given, data_devices(model), drafts)
+    the_plan = plan_for(model, batch, p, seq, chunk, given, steps, drafts)
     x = _inputs(req, batch, p)
     x["stops"] = _stops(tokenizer, req, model.config.vocab_size)
     return the_plan, chunk, x
@@ -132,10 +132,14 @@ def _drafts(scratch, n: int) -> dict:
     )
 
 
-def _check_speculative(speculative, response_format) -> None:
-    check_method(speculative)
-    if speculative is not None and response_format is not None:
+def _drafts_asked(speculative, num_speculative_tokens, response_format, given) -> int:
+    """The tokens a step drafts (0: none); a `plan` given sets them unless they are asked."""
+    drafts = drafts_of(speculative, num_speculative_tokens)
+    if drafts and response_format is not None:
         raise ValueError("`speculative` and `response_format` do not combine: give one")
+    if drafts and num_speculative_tokens is None and given is not None:
+        return given.num_speculative_tokens
+    return drafts
 
 
 def generate(
@@ -155,6 +159,7 @@ def generate(
     plan: Plan | None = None,
     response_format=None,
     speculative: str | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` in one XLA call.
 
@@ -169,9 +174,10 @@ def generate(
     a row ends (`"stop"`) when its grammar is complete. Each token's mask comes from the host,
     so a constrained request runs one call per token rather than one in all.
 
-    `speculative="ngram"` drafts tokens from each prompt's own text (`jaxlm.speculative`) and
-    checks them in the same call: the same tokens, fewer steps where the output repeats the
-    input; `drafted_tokens` and `accepted_tokens` of the result count them.
+    `speculative="ngram"` drafts tokens from each prompt's own text (`jaxlm.speculative`),
+    `num_speculative_tokens` (3, at most 16) a step, and checks them in the same call: the same
+    tokens, fewer steps where the output repeats the input; `drafted_tokens` and
+    `accepted_tokens` of the result count them.
 
     Example:
         >>> out = jaxlm.generate(model, tokenizer, ["The capital of France is"], max_new_tokens=8)
@@ -193,15 +199,15 @@ def generate(
         stop=stop,
         plan=plan,
     )
-    _check_speculative(speculative, response_format)
+    drafts = _drafts_asked(speculative, num_speculative_tokens, response_format, plan)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
     if constrained is not None:
         *_, (tokens, counts, done, _) = _calls(
-            model, tokenizer, req, plan, None, constrained, MASKED
+            model, tokenizer, req, plan, None, constrained, MASKED, 0
         )
         return _result(tokenizer, req, tokens, counts, done)
-    steps = GENERATE if speculative is None else GENERATE_NGRAM
-    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, steps)
+    steps = GENERATE_NGRAM if drafts else GENERATE
+    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, steps, drafts)
     engine = the_plan.engine
     scratch = the_plan.step(steps[0], x["prompt"].shape[1], chunk)(
         engine.params,
@@ -249,13 +255,14 @@ def stream(
     chunk_tokens: int = STREAM_CHUNK,
     response_format=None,
     speculative: str | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> Iterator[str] | Iterator[list[str]]:
     """Yield text as it is generated; the same arguments and tokens as `generate`.
 
     For one prompt (a string or one list of ids) it yields strings; for a list of prompts, a
     list with one piece per prompt (empty when a row has nothing new). The loop runs in calls of
     `chunk_tokens` tokens (one under a `response_format`), the scratch donated from one call to
-    the next. `speculative` is `generate`'s.
+    the next. `speculative` and `num_speculative_tokens` are `generate`'s.
 
     Example:
         >>> for piece in jaxlm.stream(model, tokenizer, "Tell me a story", max_new_tokens=64):
@@ -280,13 +287,13 @@ def stream(
         stop=stop,
         plan=plan,
     )
-    _check_speculative(speculative, response_format)
+    drafts = _drafts_asked(speculative, num_speculative_tokens, response_format, plan)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
-    steps = MASKED if constrained is not None else STREAM if speculative is None else STREAM_NGRAM
-    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained, steps)
+    steps = MASKED if constrained is not None else STREAM_NGRAM if drafts else STREAM
+    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained, steps, drafts)
 
 
-def _stream(model, tokenizer, req: Request, given, chunk_tokens: int, constrained, steps):
+def _stream(model, tokenizer, req: Request, given, chunk_tokens, constrained, steps, drafts):
     detok = [Detokenizer(tokenizer, req.stop) for _ in req.prompts]
 
     def cut() -> bool:
@@ -294,7 +301,7 @@ def _stream(model, tokenizer, req: Request, given, chunk_tokens: int, constraine
         return all(d.finished for d in detok)
 
     for tokens, counts, done, final in _calls(
-        model, tokenizer, req, given, chunk_tokens, constrained, steps, cut
+        model, tokenizer, req, given, chunk_tokens, constrained, steps, drafts, cut
     ):
         pieces = [
             d.update(tokens[i, : counts[i]].tolist(), final or bool(done[i]))
@@ -313,15 +320,23 @@ def _constrained(model, tokenizer, response_format, n: int) -> GrammarRows | Non
 
 
 def _calls(
-    model, tokenizer, req: Request, given, chunk_tokens, constrained, steps, cut=lambda: False
+    model,
+    tokenizer,
+    req: Request,
+    given,
+    chunk_tokens,
+    constrained,
+    steps,
+    drafts: int,
+    cut=lambda: False,
 ):
-    """Run `stream`'s calls (`steps`): the prefill and first token, then the decode loop
-    `chunk_tokens` tokens at a time, or one at a time under the rows' grammars (`constrained`),
-    until every row is done or `cut()`. After each call yields each row's tokens `[rows, n]`,
-    their counts (stop tokens left out), whether each row is done (a stop token, or its grammar
-    complete) and whether the call was the last.
+    """Run `stream`'s calls (`steps`, drafting `drafts` tokens a step): the prefill and first
+    token, then the decode loop `chunk_tokens` tokens at a time, or one at a time under the
+    rows' grammars (`constrained`), until every row is done or `cut()`. After each call yields
+    each row's tokens `[rows, n]`, their counts (stop tokens left out), whether each row is done
+    (a stop token, or its grammar complete) and whether the call was the last.
     """
-    the_plan, chunk, x = _prepare(model, tokenizer, req, given, steps)
+    the_plan, chunk, x = _prepare(model, tokenizer, req, given, steps, drafts)
     n, rows = len(req.prompts), x["prompt"].shape[0]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
     # pool when the stream ends, and is dropped if the stream is abandoned or fails.

@@ -31,6 +31,7 @@ from jaxlm.memory import (
     resident_bytes,
 )
 from jaxlm.ops import platform, storage_dtype
+from jaxlm.speculative import drafts_of
 
 # `plan(budget=)` sizes `max_seq_len` in pages of this many tokens.
 PAGE = 256
@@ -48,7 +49,8 @@ def _settled_resident_bytes() -> int | None:
 class Plan(Bill):
     """The scratch of one model for `max_batch` rows of `max_seq_len` tokens, and its bill.
 
-    Attributes: `max_batch`, `max_seq_len`, `prefill_chunk`, `layout` (the slots),
+    Attributes: `max_batch`, `max_seq_len`, `prefill_chunk`, `num_speculative_tokens` (the
+    tokens a step of the `_ngram` steps drafts), `layout` (the slots),
     `weights_bytes`, `scratch_bytes`, `compiled` (the compiled steps, by name), `executables`
     (XLA's memory analysis of each), `temp_bytes` (the largest XLA temporaries) and
     `total_bytes` (the whole bill: the peak of the most demanding step, weights and scratch
@@ -72,6 +74,7 @@ class Plan(Bill):
         weights: int,
         compiled: dict,
         budget: int | None,
+        num_speculative_tokens: int,
         executables_host_bytes: int | None = None,
     ):
         self.engine = engine
@@ -79,6 +82,7 @@ class Plan(Bill):
         self.max_batch = layout.dims["batch"]
         self.max_seq_len = layout.dims["seq"]
         self.prefill_chunk = prefill_chunk
+        self.num_speculative_tokens = num_speculative_tokens
         self.weights_bytes = weights
         self.compiled = compiled
         self.executables = {name: ExecutableMemory.of(name, c) for name, c in compiled.items()}
@@ -91,11 +95,11 @@ class Plan(Bill):
         self._ran = False
 
     @classmethod
-    def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps) -> Plan:
+    def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps, drafts) -> Plan:
         layout = _layout(engine, engine.declarations(model), max_batch, max_seq_len)
         before = _settled_resident_bytes()
-        compiled = compile_steps(engine, layout, chunk, steps)
-        plan = cls(engine, layout, chunk, weights_bytes(model), compiled, budget)
+        compiled = compile_steps(engine, layout, chunk, steps, drafts)
+        plan = cls(engine, layout, chunk, weights_bytes(model), compiled, budget, drafts)
         # The steps were traced by jitted functions of their own, which die in reference
         # cycles; collecting them frees their traces. Reading XLA's memory analysis frees heap,
         # which the settling returns too.
@@ -180,9 +184,12 @@ class Plan(Bill):
         decode = name.startswith("decode")
         if name in self.compiled and (decode or prompt_len == chunk == self.prefill_chunk):
             return self.compiled[name]
+        drafts = {"drafts": self.num_speculative_tokens} if name.endswith("_ngram") else {}
         if decode:
-            return self.engine.decode_ngram if name == "decode_ngram" else self.engine.decode_loop
-        return functools.partial(getattr(self.engine, name.removesuffix("_masked")), chunk=chunk)
+            step = self.engine.decode_ngram if drafts else self.engine.decode_loop
+            return functools.partial(step, **drafts)
+        step = getattr(self.engine, name.removesuffix("_masked"))
+        return functools.partial(step, chunk=chunk, **drafts)
 
     def ran(self) -> None:
         """Note that a step of the plan has run; after the first, hand back the heap it freed.
@@ -283,6 +290,7 @@ def plan(
     max_num_batched_tokens: int | None = None,
     decode_steps: int | None = None,
     speculative: str | None = None,
+    num_speculative_tokens: int | None = None,
 ):
     """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing;
     with `max_num_seqs`, plan a serving engine's pages instead (below).
@@ -297,7 +305,7 @@ def plan(
     loop alone, as `stream` runs it between chunks), and `"start_masked"` and `"decode_masked"`,
     the same with each row's token mask (`response_format`, a token a call), and
     `"generate_ngram"` and `"decode_ngram"`, the same with prompt-lookup drafts
-    (`speculative="ngram"`). Prompts shorter
+    (`speculative="ngram"`), `num_speculative_tokens` (3) a step. Prompts shorter
     than `prefill_chunk` run executables of their own bucket, compiled on first use; their
     temporaries are smaller.
     Works on abstract models (`nnx.eval_shape`) too.
@@ -317,7 +325,8 @@ def plan(
     `budget` leaves; sequences of up to `max_seq_len` tokens (the model's context); and the
     engine's step compiled for each prompt chunk width up to `max_num_batched_tokens` (256),
     decoding `decode_steps` (4) tokens per call, and with `speculative="ngram"` the decode
-    step that verifies drafted tokens. Its bill is read from those executables too.
+    step that verifies `num_speculative_tokens` (3) drafted tokens at a time. Its bill is read
+    from those executables too.
 
         >>> plan = jaxlm.plan(model, max_num_seqs=8, budget="2GiB")
         >>> plan.num_pages, plan.total_bytes     # fitted before any allocation
@@ -338,6 +347,7 @@ def plan(
             max_num_batched_tokens=max_num_batched_tokens,
             decode_steps=decode_steps,
             speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         )
     paged = dict(
         num_pages=num_pages,
@@ -351,6 +361,13 @@ def plan(
         raise ValueError(f"{', '.join(given)} size an engine's plan: give `max_num_seqs` too")
     max_batch = 1 if max_batch is None else max_batch
     steps = ("generate", "decode") if steps is None else steps
+    drafting = any(str(name).endswith("_ngram") for name in steps)
+    if num_speculative_tokens is not None and not drafting:
+        raise ValueError(
+            "`num_speculative_tokens` sizes the steps with drafts: name one in `steps`, "
+            'such as "generate_ngram"'
+        )
+    drafts = drafts_of("ngram", num_speculative_tokens)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"`max_batch` must be a positive integer, got {max_batch!r}")
     limit = parse_bytes(budget) if budget is not None else None
@@ -359,10 +376,11 @@ def plan(
     engine = engine_of(model)
 
     def key(seq: int) -> tuple:
-        return max_batch, seq, min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq), tuple(steps)
+        chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
+        return max_batch, seq, chunk, tuple(steps), drafts
 
     def make(seq: int) -> Plan:
-        built = Plan.build(engine, model, max_batch, seq, key(seq)[2], limit, steps)
+        built = Plan.build(engine, model, max_batch, seq, key(seq)[2], limit, steps, drafts)
         engine.bills[key(seq)] = built.total_bytes
         return built
 

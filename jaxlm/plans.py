@@ -90,22 +90,41 @@ GENERATE_NGRAM, STREAM_NGRAM = ("generate_ngram",), ("start", "decode_ngram")
 
 
 def plan_for(
-    model, batch: int, p: int, seq: int, chunk: int, given: Plan | None, steps: tuple[str, ...]
+    model,
+    batch: int,
+    p: int,
+    seq: int,
+    chunk: int,
+    given: Plan | None,
+    steps: tuple[str, ...],
+    drafts: int,
 ) -> Plan:
+    """The plan of a request's shapes: `given`, else the one kept for them, made if none is;
+    `drafts` are the tokens a step of the `_ngram` steps drafts."""
     if given is not None:
         if given.engine is not engine_of(model):
             raise PlanError("`plan` was made for another model")
+        if drafts and given.num_speculative_tokens != drafts:
+            raise PlanError(
+                f"`num_speculative_tokens={drafts}` differs from the plan's "
+                f"{given.num_speculative_tokens}"
+            )
         return given
     engine = engine_of(model)
     # The plan compiles the steps of this request for exactly its prompt bucket, so the
     # executables it accounts for are the ones the request runs.
-    key = (batch, p, seq, steps)
+    key = (batch, p, seq, steps, drafts)
     with _PLAN_LOCK:
         plans = engine.plans
         the_plan = plans.pop(key, None)
         if the_plan is None:
             the_plan = plan(
-                model, max_batch=batch, max_seq_len=seq, prefill_chunk=chunk, steps=steps
+                model,
+                max_batch=batch,
+                max_seq_len=seq,
+                prefill_chunk=chunk,
+                steps=steps,
+                num_speculative_tokens=drafts or None,
             )
         plans[key] = the_plan  # the most recent last
         # Only the plan in use keeps scratch between requests, and the `KEPT_PLANS` most
@@ -174,4 +193,4 @@ def request_plan(
     """
     req = Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
     rows, p, seq, chunk = shapes(req, None, data_devices(model))
-    return plan_for(model, rows, p, seq, chunk, None, STREAM if streaming else GENERATE)
+    return plan_for(model, rows, p, seq, chunk, None, STREAM if streaming else GENERATE, 0)

@@ -15,11 +15,15 @@ weights bounds a step (see `docs/performance.md`, "Speculative decoding").
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 # The ways `generate` and `LLMEngine` draft (their `speculative=`).
 METHODS = ("ngram",)
-# Tokens drafted per step: a chunk of 4 ran in 1.37x the time of one token, 5 in 2x.
+# Tokens drafted per step unless `num_speculative_tokens` says otherwise: a chunk of 4 ran in
+# 1.37x the time of one token, 5 in 2x (`docs/performance.md`, "Speculative decoding").
 DRAFT = 3
+# The most a step may draft: each draft is a slot of every verify chunk.
+MAX_DRAFT = 16
 # After a chunk that kept no draft, the loop waits 2, 4, ... up to this many tokens before it
 # drafts again.
 MAX_BACKOFF = 16
@@ -28,13 +32,24 @@ MAX_BACKOFF = 16
 NGRAM_SIZES = (3, 2)
 
 
-def check_method(speculative) -> None:
-    """Refuse a `speculative` that names no method."""
+def drafts_of(speculative, num_speculative_tokens=None) -> int:
+    """The tokens a step drafts for `speculative` and `num_speculative_tokens` (0 without
+    drafts), or a `ValueError` that names the argument and its limit."""
     if speculative is not None and speculative not in METHODS:
         raise ValueError(f"`speculative` must be one of {METHODS} or None, got {speculative!r}")
+    if num_speculative_tokens is None:
+        return 0 if speculative is None else DRAFT
+    if speculative is None:
+        raise ValueError('`num_speculative_tokens` needs `speculative`, such as "ngram"')
+    n = num_speculative_tokens
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 1 <= n <= MAX_DRAFT:
+        raise ValueError(
+            f"`num_speculative_tokens` must be an integer from 1 to {MAX_DRAFT}, got {n!r}"
+        )
+    return int(n)
 
 
-def propose(tokens, start, index, draft: int = DRAFT):
+def propose(tokens, start, index, draft: int):
     """Each row's `draft` next tokens by lookup, and whether it found any.
 
     `tokens` `[B, S]` are the rows' slots, row `b`'s text from slot `start[b]` to slot
@@ -68,7 +83,7 @@ def propose(tokens, start, index, draft: int = DRAFT):
 
 def kept(sampled, drafts):
     """How many drafts each row keeps: those up to the first that differs from the token sampled
-    at its position (`sampled` `[B, DRAFT + 1]`, the token after each position of the chunk)."""
+    at its position (`sampled` `[B, drafts + 1]`, the token after each position of the chunk)."""
     same = (sampled[:, : drafts.shape[1]] == drafts).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(same, axis=1), axis=1)
 

@@ -256,11 +256,13 @@ def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_pa
     out = tmp_path / "speculative.json"
     # The tiny model's context holds the shortest prompt.
     argv = ["--model", str(tiny_chat), "--tasks", "explain", "--new-tokens", "12", "--repeats", "1"]
+    argv += ["--num-speculative-tokens", "2"]
     assert speculative.main([*argv, *engine, "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     tasks = ["explain (alone)", "all tasks x2, 2 slots"] if engine else ["explain"]
     assert [r["task"] for r in results] == tasks
     assert all(r["same_tokens"] and r["accepted"] <= r["drafted"] for r in results)
+    assert all(r["drafted"] % 2 == 0 for r in results)
     assert all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in results)
 
 

@@ -89,6 +89,11 @@ def test_plan_over_budget(env):
         (("chat", "--repetition-penalty", "0"), "`repetition_penalty`"),
         (("generate", "Hi", "--dtype", "int4"), "--dtype"),
         (("generate", "Hi", "--speculative", "eagle"), "invalid choice: 'eagle'"),
+        (("generate", "Hi", "--num-speculative-tokens", "2"), "needs `speculative`"),
+        (
+            ("serve", "--speculative", "ngram", "--num-speculative-tokens", "17"),
+            "`num_speculative_tokens` must be an integer from 1 to 16",
+        ),
         (("plan", "--max-seq-len", "64", "--steps", "prefill"), "invalid choice: 'prefill'"),
         (("translate", "Hi"), "invalid choice: 'translate'"),
         ((), "the following arguments are required"),
@@ -133,9 +138,10 @@ def test_the_sampling_options_reach_stream(monkeypatch, capsys):
     monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     argv = ["generate", "Hi", "--speculative", "ngram", "--top-k", "5", "--stop", "!"]
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--num-speculative-tokens", "5"]) == 0
     assert capsys.readouterr().out == "text\n"
     assert got["prompt"] == "Hi" and got["speculative"] == "ngram"
+    assert got["num_speculative_tokens"] == 5
     assert got["top_k"] == 5 and got["stop"] == ["!"] and got["max_new_tokens"] == 64
 
 

@@ -132,7 +132,7 @@ def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
     model, _ = jaxlm.load(tiny_llama[0])
     jaxlm.generate(model, None, PROMPTS, max_new_tokens=6)
     engine = jaxlm.engine.engine_of(model)
-    plan = engine.plans[(4, 16, 32, ("generate",))]
+    plan = engine.plans[(4, 16, 32, ("generate",), 0)]
     assert list(plan.compiled) == ["generate"]
     assert " while(" in plan.compiled["generate"].as_text()
     calls = []

@@ -10,13 +10,14 @@ import pytest
 
 import jaxlm
 from jaxlm import cli, speculative
-from jaxlm.speculative import DRAFT, NGRAM_SIZES
+from jaxlm.errors import PlanError
+from jaxlm.speculative import MAX_DRAFT, NGRAM_SIZES
 
 # Prompts that repeat themselves, so that a tiny random model's continuations draft often.
 LOOPS = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4 + [9, 10]]
 
 
-def lookup(row: list[int], start: int, index: int) -> list[int] | None:
+def lookup(row: list[int], start: int, index: int, draft: int) -> list[int] | None:
     """The drafts of a row whose text is `row[start : index + 1]`, by the rule, in plain Python:
     the latest earlier occurrence of its last `n` tokens, longest `n` first, and what followed
     it, repeating with the occurrence's period past the row's end."""
@@ -28,22 +29,24 @@ def lookup(row: list[int], start: int, index: int) -> list[int] | None:
         for j in range(len(text) - n - 1, -1, -1):
             if text[j : j + n] == suffix:
                 follow = list(text[j + n :])
-                while len(follow) < DRAFT:
+                while len(follow) < draft:
                     follow.append(follow[len(follow) - (len(text) - j - n)])
-                return follow[:DRAFT]
+                return follow[:draft]
     return None
 
 
 def test_drafts_are_what_followed_the_latest_earlier_occurrence():
     rng = np.random.default_rng(0)
-    propose = jax.jit(speculative.propose)
-    for vocab in (2, 3, 5):
+    propose = jax.jit(speculative.propose, static_argnums=3)
+    for vocab, draft in ((2, 1), (3, 3), (5, 6)):
         tokens = rng.integers(0, vocab, (64, 24)).astype(np.int32)
         start = rng.integers(0, 12, 64).astype(np.int32)
         for index in (11, 15, 23):
-            drafts, found = propose(jnp.asarray(tokens), jnp.asarray(start), jnp.int32(index))
+            drafts, found = propose(
+                jnp.asarray(tokens), jnp.asarray(start), jnp.int32(index), draft
+            )
             for b in range(64):
-                want = lookup(tokens[b].tolist(), int(start[b]), index)
+                want = lookup(tokens[b].tolist(), int(start[b]), index, draft)
                 assert bool(found[b]) == (want is not None), (vocab, index, b)
                 if want is not None:
                     assert drafts[b].tolist() == want, (vocab, index, b)
@@ -77,6 +80,20 @@ def test_greedy_tokens_are_the_same_with_drafts(tiny_llama, new_tokens):
     if new_tokens == 40:
         # The model fell into loops, drafted and kept drafts: the chunks' tokens were checked.
         assert min(drafted.accepted_tokens) > 0
+
+
+@pytest.mark.parametrize("drafts", [1, 5])
+def test_every_draft_count_gives_the_same_tokens(tiny_llama, drafts):
+    model, _ = jaxlm.load(tiny_llama[0])
+    kwargs = dict(max_new_tokens=40, stop_token_ids=[])
+    plain = jaxlm.generate(model, None, LOOPS, **kwargs)
+    drafted = jaxlm.generate(
+        model, None, LOOPS, speculative="ngram", num_speculative_tokens=drafts, **kwargs
+    )
+    assert drafted.token_ids == plain.token_ids
+    # Each chunk drafted `drafts` tokens, and some of them were kept.
+    assert all(n > 0 and n % drafts == 0 for n in drafted.drafted_tokens)
+    assert min(drafted.accepted_tokens) > 0
 
 
 def test_int8_weights_give_the_same_tokens_with_drafts(tiny_llama):
@@ -114,6 +131,7 @@ def test_stream_yields_the_text_of_generate(tiny_chat):
             max_new_tokens=24,
             stop_token_ids=[],
             speculative="ngram",
+            num_speculative_tokens=2,
             chunk_tokens=5,
         )
     )
@@ -128,9 +146,15 @@ def test_stream_yields_the_text_of_generate(tiny_chat):
 
 def test_a_planned_request_drafts_in_place_without_compiling(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
-    plan = jaxlm.plan(model, max_batch=2, max_seq_len=96, steps=("generate_ngram",))
+    steps = ("generate_ngram",)
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=96, steps=steps, num_speculative_tokens=4)
+    assert plan.num_speculative_tokens == 4
     kwargs = dict(plan=plan, stop_token_ids=[], speculative="ngram")
-    jaxlm.generate(model, None, LOOPS, max_new_tokens=8, **kwargs)
+    first = jaxlm.generate(model, None, LOOPS, max_new_tokens=8, **kwargs)
+    # A request drafts as many tokens a step as its plan does.
+    assert all(n % 4 == 0 for n in first.drafted_tokens)
+    with pytest.raises(PlanError, match="`num_speculative_tokens=2` differs from the plan's 4"):
+        jaxlm.generate(model, None, LOOPS, max_new_tokens=8, num_speculative_tokens=2, **kwargs)
     (held,) = plan._pool
     pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)]
     with jaxlm.CompileCounter() as compiles:
@@ -146,6 +170,22 @@ def test_bad_speculative_arguments_are_refused(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     with pytest.raises(ValueError, match="`speculative` must be one of"):
         jaxlm.generate(model, None, [1, 2], max_new_tokens=2, speculative="eagle")
+    for bad in (0, MAX_DRAFT + 1, 2.5, True, "3"):
+        with pytest.raises(
+            ValueError, match=f"`num_speculative_tokens` must be an integer from 1 to {MAX_DRAFT}"
+        ):
+            jaxlm.generate(
+                model,
+                None,
+                [1, 2],
+                max_new_tokens=2,
+                speculative="ngram",
+                num_speculative_tokens=bad,
+            )
+    with pytest.raises(ValueError, match="`num_speculative_tokens` needs `speculative`"):
+        jaxlm.generate(model, None, [1, 2], max_new_tokens=2, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="`num_speculative_tokens` sizes the steps with drafts"):
+        jaxlm.plan(model, max_batch=1, max_seq_len=32, num_speculative_tokens=2)
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
     with pytest.raises(ValueError, match="`speculative` and `response_format`"):
         jaxlm.generate(

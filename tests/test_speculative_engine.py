@@ -13,7 +13,6 @@ import pytest
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
 from jaxlm.batching.step import Shape
-from jaxlm.speculative import DRAFT
 
 # Prompts that repeat themselves, so that the model's continuations draft often, and others.
 LOOPS = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4 + [9, 10], [1, 2, 3] * 10, [40, 41] * 7]
@@ -33,7 +32,8 @@ def engine(tiny_llama):
     # Sharper logits, so that samples fall into loops too (greedy tokens do not change).
     model.lm_head.weight[...] = model.lm_head.weight[...] * 8
     sizes = dict(max_num_seqs=4, page_size=4, num_pages=160, max_num_batched_tokens=32)
-    with LLMEngine(model, speculative="ngram", **sizes) as e:
+    # Chunks of 5 drafts here; the engine of `test_two_hundred_requests...` drafts the default.
+    with LLMEngine(model, speculative="ngram", num_speculative_tokens=5, **sizes) as e:
         yield e
 
 
@@ -82,6 +82,7 @@ def test_eight_requests_give_the_same_tokens_with_drafts_as_without(engine, samp
     # Drafts were proposed and kept, not only proposed; without them, none.
     made, kept = (a - b for a, b in zip(drafted(engine), before, strict=True))
     assert made >= kept > 0
+    assert made % 5 == 0
     assert engine.pool.num_in_use == 0
 
 
@@ -153,8 +154,9 @@ def test_two_hundred_requests_with_drafts_leave_every_page_free(tiny_llama):
 def test_the_step_with_drafts_updates_the_pages_in_place(engine):
     k_shape = engine.pages["model"]["layers"][0]["self_attn"]["k_pages"].shape
     shape = "f32[" + ",".join(map(str, k_shape)) + "]"
-    step = Shape(0, 0, DRAFT)
-    assert step in engine.compiled and str(step) == f"decode with {DRAFT} drafts"
+    step = Shape(0, 0, 5)
+    assert engine.num_speculative_tokens == engine.plan.num_speculative_tokens == 5
+    assert step in engine.compiled and str(step) == "decode with 5 drafts"
     assert engine.plan.executables[step].alias >= engine.plan.scratch_bytes
     text = engine.compiled[step].as_text()
     assert not re.search(rf"= {re.escape(shape)}\S* copy\(", text)
@@ -169,3 +171,7 @@ def test_bad_speculative_arguments_are_refused(engine):
         engine.submit([1, 2], max_new_tokens=2, speculative="eagle")
     with pytest.raises(ValueError, match="`speculative` must be one of"):
         jaxlm.plan(engine.model, max_num_seqs=2, num_pages=8, speculative="eagle")
+    with pytest.raises(ValueError, match="`num_speculative_tokens` must be an integer from 1"):
+        LLMEngine(engine.model, num_pages=8, speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="`num_speculative_tokens` needs `speculative`"):
+        jaxlm.plan(engine.model, max_num_seqs=2, num_pages=8, num_speculative_tokens=2)

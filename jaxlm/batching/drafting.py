@@ -3,8 +3,8 @@
 Each row drafts from its own tokens (`jaxlm.speculative.propose`) and runs at its own pace, up
 to the call's `steps` tokens (a chunk may keep a few more; the host drops those past a
 request's end). A step runs every running row's last token, and where a row drafts, that row's
-last token and drafts as a second group of `DRAFT + 1` tokens: one row a step, so that a chunk
-adds `DRAFT + 1` columns to the step's products, not `DRAFT + 1` times its rows, and only while
+last token and drafts as a second group of `drafts + 1` tokens: one row a step, so that a chunk
+adds `drafts + 1` columns to the step's products, not `drafts + 1` times its rows, and only while
 few enough rows run that what a chunk keeps outweighs what it adds (`busiest`). Every position
 is sampled with its own key, so a row's tokens are those it gives without drafts. After a
 chunk that kept none of its drafts, the row waits 2, 4, ... `MAX_BACKOFF` tokens before it
@@ -16,48 +16,51 @@ XLA:CPU gives copies of the pages (`docs/performance.md`, "Speculative decoding"
 
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 
 from jaxlm.batching.sampled import PACKED, pack, sample, sample_drafts
-from jaxlm.speculative import DRAFT, MAX_BACKOFF, kept, propose
+from jaxlm.speculative import MAX_BACKOFF, kept, propose
 
 # The columns up to which a step's products cost about the same as one (they read the weights
-# once), and the tokens a chunk keeps on text that repeats (2 of its 3 drafts): the cost model
-# of `busiest`.
+# once), and the share of its drafts a chunk keeps on text that repeats (2 of 3): the cost
+# model of `busiest`.
 FLAT_COLUMNS = 8
-KEPT_PER_CHUNK = 2
+KEPT_SHARE = fractions.Fraction(2, 3)
 
 
-def busiest(rows: int) -> int:
-    """The most running rows at which a step of `rows` still runs a chunk: its `DRAFT + 1`
+def busiest(rows: int, drafts: int) -> int:
+    """The most running rows at which a step of `rows` still runs a chunk: its `drafts + 1`
     columns cost a share of the step that the tokens it keeps must exceed, spread over the
     running rows (`docs/performance.md`, "Speculative decoding")."""
-    step, more = max(rows, FLAT_COLUMNS), max(rows + DRAFT + 1, FLAT_COLUMNS)
-    return rows if more == step else KEPT_PER_CHUNK * step // (more - step)
+    step, more = max(rows, FLAT_COLUMNS), max(rows + drafts + 1, FLAT_COLUMNS)
+    return rows if more == step else int(KEPT_SHARE * drafts * step / (more - step))
 
 
-def decode_with_drafts(model, x, pages, *, decode_steps: int, vocab_size: int):
-    """Up to `x["steps"]` tokens of each row of `x["decode"]`, drafted where a row may
-    (`x["drafting"]`) within the slots its pages hold (`x["limit"]`). Returns the pages and
-    the packed tokens `[decode_steps + DRAFT + 1, rows, PACKED]`: row `r`'s `i`-th token at
+def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab_size: int):
+    """Up to `x["steps"]` tokens of each row of `x["decode"]`, `drafts` drafted at a time
+    where a row may (`x["drafting"]`) within the slots its pages hold (`x["limit"]`). Returns
+    the pages and the packed tokens `[decode_steps + drafts + 1, rows, PACKED]`: row `r`'s
+    `i`-th token at
     `[i, r]` (-1 past its last), and in the last entry each row's drafted and accepted counts
     and its wait and backoff."""
     decode = x["decode"]
     rows = decode["positions"].shape[0]
-    r, cols = jnp.arange(rows), jnp.arange(DRAFT + 1, dtype=jnp.int32)
-    most = decode_steps + DRAFT
+    r, cols = jnp.arange(rows), jnp.arange(drafts + 1, dtype=jnp.int32)
+    most = decode_steps + drafts
     live = decode["positions"][:, 0] >= 0
 
     def plan(c):
         active = live & (c["count"] < x["steps"]) & ~c["stopped"]
-        drafts, found = propose(c["history"], jnp.zeros((rows,), jnp.int32), c["pos"])
-        room = c["pos"] + DRAFT < x["limit"]
+        proposed, found = propose(c["history"], jnp.zeros((rows,), jnp.int32), c["pos"], drafts)
+        room = c["pos"] + drafts < x["limit"]
         can = active & x["drafting"] & found & room & (c["wait"] == 0)
-        can &= jnp.sum(active) <= busiest(rows)
+        can &= jnp.sum(active) <= busiest(rows, drafts)
         # The row that has run the fewest tokens drafts: rows take turns.
         pick = jnp.argmin(jnp.where(can, c["count"], jnp.iinfo(jnp.int32).max))
-        return {**c, "active": active, "drafts": drafts, "pick": pick, "can": jnp.any(can)}
+        return {**c, "active": active, "drafts": proposed, "pick": pick, "can": jnp.any(can)}
 
     def last(c):
         return c["history"][r, jnp.maximum(c["pos"], 0)]
@@ -103,9 +106,9 @@ def decode_with_drafts(model, x, pages, *, decode_steps: int, vocab_size: int):
         picked = r == pick
         positions = jnp.where(active & ~picked, c["pos"], -1)[:, None]
         group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
-        drafts = c["drafts"][pick]
+        proposed = c["drafts"][pick]
         chunk = {
-            "input_ids": jnp.concatenate([last(c)[pick, None], drafts])[None],
+            "input_ids": jnp.concatenate([last(c)[pick, None], proposed])[None],
             "positions": (c["pos"][pick] + cols)[None],
             "table": decode["table"][pick][None],
         }
@@ -113,14 +116,14 @@ def decode_with_drafts(model, x, pages, *, decode_steps: int, vocab_size: int):
         sampled = sample(logits[:, 0], x, generated(c), c["seen"])
         at = generated(c)[pick] + cols
         drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
-        # Every row's tokens [rows, DRAFT + 1]: the picked row's from the chunk.
+        # Every row's tokens [rows, drafts + 1]: the picked row's from the chunk.
         sampled = [
             jnp.where(picked.reshape(rows, *[1] * a.ndim), d, a[:, None])
             for a, d in zip(sampled, drafted, strict=True)
         ]
-        keeps = kept(drafted[0], drafts[None])[0]
+        keeps = kept(drafted[0], proposed[None])[0]
         n = jnp.where(picked, keeps + 1, active)
-        c = keep({**c, "pages": pages}, sampled, n, jnp.where(picked, DRAFT, 0))
+        c = keep({**c, "pages": pages}, sampled, n, jnp.where(picked, drafts, 0))
         # A chunk that kept no draft cost more than the token it gave: the row waits twice as
         # long as last time before it drafts again; one that kept a draft resets the wait.
         missed = keeps == 0

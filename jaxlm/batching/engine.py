@@ -25,7 +25,7 @@ from jaxlm.batching.sampled import TOP_LOGPROBS, unpack
 from jaxlm.batching.scheduler import Batch, Scheduler
 from jaxlm.constrain import Grammars, grammar_of, grammars_for
 from jaxlm.requests import check_penalties, is_int, parse_request
-from jaxlm.speculative import DRAFT, check_method
+from jaxlm.speculative import drafts_of
 
 # `submit`'s `speculative` when not given: the engine's.
 ENGINE_DEFAULT = "engine"
@@ -70,7 +70,8 @@ class LLMEngine:
     request samples a stop token: the tokens of a call reach its requests together. On a model
     sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`.
     With `speculative="ngram"`, requests draft tokens from their own text while they decode
-    (`jaxlm.speculative`), as `generate` does; their tokens are those they give without.
+    (`jaxlm.speculative`), `num_speculative_tokens` (3) at a time, as `generate` does; their
+    tokens are those they give without.
 
     Example:
         >>> plan = jaxlm.plan(model, max_num_seqs=4, budget="1GiB")
@@ -95,6 +96,7 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         decode_steps: int | None = None,
         speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
         prefix_cache: bool = True,
         max_queue: int = 1024,
     ):
@@ -107,6 +109,7 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             decode_steps=decode_steps,
             speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         )
         if plan is None:
             sizes["max_num_seqs"] = 4 if max_num_seqs is None else max_num_seqs
@@ -125,6 +128,7 @@ class LLMEngine:
         self.max_num_seqs = plan.max_num_seqs
         self.decode_steps = plan.decode_steps
         self.speculative = plan.speculative
+        self.num_speculative_tokens = plan.num_speculative_tokens
         self.pool = PagePool(plan.num_pages, plan.page_size, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(
             self.pool,
@@ -168,7 +172,8 @@ class LLMEngine:
             if self._closed:
                 return False
             # Slots for drafts, where a request drafts.
-            spare = DRAFT if any(h._drafts for h in self._handles.values()) else 0
+            drafts = any(h._drafts for h in self._handles.values())
+            spare = self.num_speculative_tokens if drafts else 0
             batch = self.scheduler.schedule(self.decode_steps, spare)
             if not batch.chunks:
                 return True
@@ -341,7 +346,7 @@ class LLMEngine:
             )
         if speculative == ENGINE_DEFAULT:
             speculative = self.speculative
-        check_method(speculative)
+        drafts_of(speculative)
         if speculative is not None and self.speculative is None:
             raise ValueError(
                 "`speculative` needs an engine that verifies drafts: "

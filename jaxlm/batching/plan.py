@@ -21,7 +21,7 @@ from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, p
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int
 from jaxlm.sharding import Partitioner, mesh_of
-from jaxlm.speculative import check_method
+from jaxlm.speculative import drafts_of
 
 # Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.
 MIN_PAGES = 2
@@ -32,9 +32,10 @@ class EnginePlan(Bill):
 
     Attributes: `max_num_seqs`, `max_seq_len` (the most tokens one sequence holds),
     `page_size`, `num_pages` (page 0 pads), `pages_per_seq`, `max_num_batched_tokens`,
-    `decode_steps`, `speculative` (`"ngram"` where a step verifies drafts), `layout` (the page
+    `decode_steps`, `speculative` (`"ngram"` where a step verifies drafts),
+    `num_speculative_tokens` (the drafts a step verifies; 0 without), `layout` (the page
     slots), `compiled` (the step of each `Shape`: prompt chunks and their width, `Shape(0, 0)`
-    for decode tokens alone, `Shape(0, 0, DRAFT)` with drafts), `executables` (XLA's memory
+    for decode tokens alone, `Shape(0, 0, drafts)` with drafts), `executables` (XLA's memory
     analysis of each), `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`,
     `total_bytes` (the peak of the most demanding step, weights and pages included) and
     `budget`. On a mesh (`mesh` is not None), the pages split by KV head over `model` and every
@@ -57,7 +58,8 @@ class EnginePlan(Bill):
         self.pages_per_seq = steps.pages_per_seq
         self.max_num_batched_tokens = steps.buckets[-1]
         self.decode_steps = steps.decode_steps
-        self.speculative = steps.speculative
+        self.num_speculative_tokens = steps.drafts
+        self.speculative = "ngram" if steps.drafts else None
 
     @property
     def max_seq_len(self) -> int:
@@ -100,9 +102,10 @@ def plan_engine(
     max_num_batched_tokens: int | None = None,
     decode_steps: int | None = None,
     speculative: str | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> EnginePlan:
     """The plan of an engine of `max_num_seqs` sequences; see `jaxlm.plan`."""
-    check_method(speculative)
+    drafts = drafts_of(speculative, num_speculative_tokens)
     page_size = 16 if page_size is None else page_size
     max_num_batched_tokens = 256 if max_num_batched_tokens is None else max_num_batched_tokens
     decode_steps = 4 if decode_steps is None else decode_steps
@@ -138,7 +141,7 @@ def plan_engine(
         buckets=step.buckets(max_num_batched_tokens),
         decode_steps=decode_steps,
         pages_sharding=layout(MIN_PAGES).tree(lambda s: s.sharding) if partitioner else None,
-        speculative=speculative,
+        drafts=drafts,
     )
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None),

@@ -6,7 +6,7 @@ several sequences padded to one of a few widths, as many as a power of two up to
 `max_num_batched_tokens` holds at that width (`Shape`), samples the next token of every row
 that has reached its end, and returns the pages updated in place. A step of decode tokens alone
 (`Shape(0, 0)`) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens
-it sampled; with prompt-lookup drafts (`Shape(0, 0, DRAFT)`, `jaxlm.batching.drafting`), a step
+it sampled; with prompt-lookup drafts (`Shape(0, 0, drafts)`, `jaxlm.batching.drafting`), a step
 may also run one row's last token and drafts as a chunk beside the others' tokens.
 
 A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
@@ -32,7 +32,6 @@ from jaxlm.batching.sampled import PACKED, pack, sample
 from jaxlm.batching.scheduler import Batch
 from jaxlm.engine import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import MAX_LOGIT_BIAS, Request
-from jaxlm.speculative import DRAFT
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
 
@@ -107,7 +106,7 @@ class Steps:
         buckets,
         decode_steps,
         pages_sharding,
-        speculative=None,
+        drafts=0,
     ):
         self._graphdef = graphdef
         # On a mesh, the pages a step returns keep the shardings they came in with: XLA aliases
@@ -119,15 +118,15 @@ class Steps:
         )
         self.rows, self.pages_per_seq, self.vocab_size = rows, pages_per_seq, vocab_size
         self.page_size, self.buckets, self.decode_steps = page_size, buckets, decode_steps
-        self.speculative = speculative
+        self.drafts = drafts
         self.chunk_shapes = {w: min(rows, buckets[-1] // w) for w in buckets}
         shapes = [Shape(0, 0)]
         for width, most in self.chunk_shapes.items():
             # Powers of two below the most: padding at most doubles a step's chunks.
             counts = [1 << i for i in range((most - 1).bit_length())]
             shapes += [Shape(k, width) for k in (*counts, most)]
-        if speculative is not None:
-            shapes.append(Shape(0, 0, DRAFT))
+        if drafts:
+            shapes.append(Shape(0, 0, drafts))
         self.layouts = {shape: HostPack(self._spec(shape)) for shape in shapes}
         self._unseen = np.zeros((rows, vocab_size), bool)
         self._uncounted = np.zeros((rows, vocab_size), np.int32)
@@ -239,7 +238,12 @@ class Steps:
         x = layout.unpack(buf)
         model = nnx.merge(self._graphdef, state)
         pages, out = decode_with_drafts(
-            model, x, pages, decode_steps=self.decode_steps, vocab_size=self.vocab_size
+            model,
+            x,
+            pages,
+            drafts=self.drafts,
+            decode_steps=self.decode_steps,
+            vocab_size=self.vocab_size,
         )
         return self._pin(pages), out
 
@@ -256,7 +260,7 @@ class Steps:
         """The `Shape` of `batch`'s step and its inputs packed, given each sequence's `Request`
         by id, the ids that want log-probabilities, where a row carries a grammar, the token
         bitmask of every row [rows, `mask_words`] (all bits set in rows without one), and the
-        ids that may draft (in a step of decode tokens alone, on `Steps` made `speculative`)."""
+        ids that may draft (in a step of decode tokens alone, on `Steps` made with `drafts`)."""
         rows, per_seq = self.rows, self.pages_per_seq
         seen, counts = self._unseen, self._uncounted
         penalties = {n: np.zeros((rows,), np.float32) for n in ("presence", "frequency")}
@@ -316,8 +320,8 @@ class Steps:
             x["stops"] = np.zeros((rows, self.vocab_size), bool)
             for c in batch.chunks:
                 x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
-            if self.speculative is not None and drafting:
-                shape = Shape(0, 0, DRAFT)
+            if self.drafts and drafting:
+                shape = Shape(0, 0, self.drafts)
                 x.update(self._history(batch, drafting))
         return shape, self.layouts[shape].pack(x)
 
