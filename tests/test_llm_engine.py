@@ -295,6 +295,7 @@ def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
         # Decode alone, and one or two prompt chunks of each width that 64 tokens hold.
         assert set(engine.compiled) == {
             Shape(0, 0),
+            Shape(0, 0, rows=1),
             Shape(1, 16),
             Shape(2, 16),
             Shape(1, 32),
@@ -314,6 +315,33 @@ def test_every_step_updates_the_pages_in_place(tiny, small_buckets):
         before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)]
         engine.generate([[1, 2, 3] * 10, [4, 5]], max_new_tokens=5, stop_token_ids=[])
         assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.pages)] == before
+
+
+def test_a_lone_request_decodes_over_its_own_row(tiny):
+    # A step of every slot's column costs one sequence twice its own: while the first slot
+    # alone runs, decode steps run its row alone, and give the tokens they give beside others.
+    with LLMEngine(tiny, **SMALL) as engine:
+        shapes, compiled = [], dict(engine.compiled)
+
+        def recorded(shape):
+            def call(*args):
+                shapes.append(shape)
+                return compiled[shape](*args)
+
+            return call
+
+        engine.compiled = {shape: recorded(shape) for shape in compiled}
+        alone = engine.submit([1, 2, 3], max_new_tokens=12, stop_token_ids=[])
+        assert alone.result(timeout=60).token_ids == solo(tiny, [1, 2, 3], 12)
+        assert str(Shape(0, 0, rows=1)) == "decode of 1 row"
+        assert Shape(0, 0, rows=1) in shapes and Shape(0, 0) not in shapes
+        shapes.clear()
+        reqs = [([1, 2, 3], 12), ([7, 8, 9, 10], 20)]
+        handles = [engine.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in reqs]
+        assert [h.result(timeout=60).token_ids for h in handles] == [solo(tiny, *r) for r in reqs]
+        # Both rows while both run, then the first slot's alone; the second slot never alone.
+        assert Shape(0, 0) in shapes and shapes[-1] == Shape(0, 0)
+        assert engine.scheduler._free_slots == [0, 1]
 
 
 def test_a_cancelled_request_ends_and_gives_its_pages_back(tiny):

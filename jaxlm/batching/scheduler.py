@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import heapq
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -163,6 +164,8 @@ class Scheduler:
         self.chunk_shapes = dict(sorted(chunk_shapes.items())) if chunk_shapes else None
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
+        # A heap: a sequence takes the lowest free slot, so that a few running sequences hold
+        # the first rows and run the engine's narrow decode step (`Steps.narrow`).
         self._free_slots = list(range(max_num_seqs))
         self._ids = itertools.count()
         # Totals since the start: prompt tokens taken from the prefix cache, preemptions.
@@ -228,7 +231,7 @@ class Scheduler:
     def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        self._free_slots.append(seq.slot)
+        heapq.heappush(self._free_slots, seq.slot)
         seq.pages, seq.slot, seq.num_computed, seq.num_cached = [], None, 0, 0
         seq.published = 0
         seq.status = Status.WAITING
@@ -251,7 +254,7 @@ class Scheduler:
         seq.pages, seq.num_cached, seq.num_computed = cached, start, start
         seq.published = len(cached)
         self.cached_tokens += start
-        seq.slot = self._free_slots.pop(0)
+        seq.slot = heapq.heappop(self._free_slots)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
@@ -445,6 +448,6 @@ class Scheduler:
     def _retire(self, seq: SequenceState, reason: str) -> None:
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        self._free_slots.append(seq.slot)
+        heapq.heappush(self._free_slots, seq.slot)
         seq.pages, seq.slot = [], None
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -7,7 +7,9 @@ several sequences padded to one of a few widths, as many as a power of two up to
 that has reached its end, and returns the pages updated in place. A step of decode tokens alone
 (`Shape(0, 0)`) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens
 it sampled; with prompt-lookup drafts (`Shape(0, 0, drafts)`, `jaxlm.batching.drafting`), a step
-may also run one row's last token and drafts as a chunk beside the others' tokens.
+may also run one row's last token and drafts as a chunk beside the others' tokens. While only
+the first slot runs, decode steps run that row alone (`Shape(0, 0, drafts, rows=1)`): a step of
+every slot's column costs one sequence twice what its own column does.
 
 A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come back as one
 int32 array: each array a call takes from the host or gives back makes the calling thread give
@@ -38,17 +40,20 @@ _SAMPLING_DTYPES = {"top_k": np.int32}
 
 class Shape(NamedTuple):
     """A step's shape: `chunks` prompt chunks of `width` tokens each (0 and 0: decode alone;
-    with `drafts`, decode that verifies that many drafted tokens at a time)."""
+    with `drafts`, decode that verifies that many drafted tokens at a time), over every slot's
+    row or, with `rows`, over the first `rows` slots alone (decode steps)."""
 
     chunks: int
     width: int
     drafts: int = 0
+    rows: int = 0
 
     def __str__(self) -> str:
+        of = f" of {self.rows} row{'s' if self.rows > 1 else ''}" if self.rows else ""
         if self.drafts:
-            return f"decode with {self.drafts} drafts"
+            return f"decode{of} with {self.drafts} drafts"
         if not self.width:
-            return "decode"
+            return f"decode{of}"
         return f"chunk of {self.width}" + (f" x{self.chunks}" if self.chunks > 1 else "")
 
 
@@ -127,6 +132,13 @@ class Steps:
             shapes += [Shape(k, width) for k in (*counts, most)]
         if drafts:
             shapes.append(Shape(0, 0, drafts))
+        # A lone sequence's decode steps over its own row (`Scheduler` gives out the lowest
+        # free slot first).
+        self.narrow = 1 if rows > 1 else 0
+        if self.narrow:
+            shapes.append(Shape(0, 0, 0, self.narrow))
+            if drafts:
+                shapes.append(Shape(0, 0, drafts, self.narrow))
         self.layouts = {shape: HostPack(self._spec(shape)) for shape in shapes}
         self._unseen = np.zeros((rows, vocab_size), bool)
         self._uncounted = np.zeros((rows, vocab_size), np.int32)
@@ -139,7 +151,7 @@ class Steps:
 
     def _spec(self, shape: Shape) -> dict:
         sds = jax.ShapeDtypeStruct
-        rows, vocab = self.rows, self.vocab_size
+        rows, vocab = shape.rows or self.rows, self.vocab_size
 
         def tokens(r, c):
             return dict(
@@ -212,7 +224,8 @@ class Steps:
         # samples one of its `stops` [rows, vocab].
         x = layout.unpack(buf)
         model = nnx.merge(self._graphdef, state)
-        decode, stops, rows = x["decode"], x["stops"], self.rows
+        decode, stops = x["decode"], x["stops"]
+        rows = decode["positions"].shape[0]
         live = decode["positions"][:, 0] >= 0
         # Steps not run keep token -1 (`unpack`).
         out = jnp.full((self.decode_steps, rows, PACKED), -1, jnp.int32)
@@ -323,6 +336,9 @@ class Steps:
             if self.drafts and drafting:
                 shape = Shape(0, 0, self.drafts)
                 x.update(self._history(batch, drafting))
+            if self.narrow and all(c.seq.slot < self.narrow for c in batch.chunks):
+                shape = shape._replace(rows=self.narrow)
+                x = jax.tree.map(lambda a: a[: self.narrow] if np.ndim(a) else a, x)
         return shape, self.layouts[shape].pack(x)
 
     def _history(self, batch: Batch, drafting: set[int]) -> dict:
@@ -359,7 +375,7 @@ class Steps:
     def _chunks(self, chunks, shape: Shape) -> dict:
         """The prompt `chunks` as the rows of a group of `shape`, padded to its width; padding
         rows sample into row `rows`, which does not exist."""
-        k, width, _ = shape
+        k, width = shape.chunks, shape.width
         out = dict(
             input_ids=np.zeros((k, width), np.int32),
             positions=np.full((k, width), -1, np.int32),
