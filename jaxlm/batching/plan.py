@@ -35,7 +35,8 @@ class EnginePlan(Bill):
     `decode_steps`, `speculative` (`"ngram"` where a step verifies drafts),
     `num_speculative_tokens` (the drafts a step verifies; 0 without), `layout` (the page
     slots), `compiled` (the step of each `Shape`: prompt chunks and their width, `Shape(0, 0)`
-    for decode tokens alone, `Shape(0, 0, drafts)` with drafts), `executables` (XLA's memory
+    for decode tokens alone, `Shape(0, 0, drafts)` with drafts, and the same over the first
+    slot's row alone, `rows=1`), `executables` (XLA's memory
     analysis of each), `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`,
     `total_bytes` (the peak of the most demanding step, weights and pages included) and
     `budget`. On a mesh (`mesh` is not None), the pages split by KV head over `model` and every
