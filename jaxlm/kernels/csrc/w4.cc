@@ -51,7 +51,7 @@ Activations Round(const float* x, int64_t in, int64_t cols) {
       int32_t sum = 0;
       for (int64_t e = 0; e < kBlock; ++e) {
         const float v = x[(b * kBlock + e) * cols + c];
-        const int q = step == 0.0f ? 0 : static_cast<int>(std::nearbyint(v / step));
+        const int q = step == 0.0f ? 0 : static_cast<int>(RoundEven(v / step));
         values[(e / 16) * 64 + e % 16] = static_cast<int8_t>(q);
         sum += q;
       }
