@@ -20,18 +20,19 @@ namespace {
 constexpr float kDigit = 254.0f;
 
 // The activations' digits: `count` vectors of `stride` bytes (the input rounded up to 64), the
-// two digits of column c at 2c and 2c + 1; for the AVX512-VNNI path offset by 128 to unsigned
-// bytes, whose product with the weights less 128 times the row's sum is the signed product.
+// two digits of column c at 2c and 2c + 1, and each vector's sum of digits (`totals`), which
+// the AVX512-VNNI path takes back out of its products with the weights offset by 128.
 struct Digits {
   std::vector<int8_t> values;
+  std::vector<int32_t> totals;
   std::vector<float> steps;
   int64_t stride;
   int count;
 };
 
-Digits Round(const float* x, int64_t in, int64_t cols, bool offset) {
-  Digits d{std::vector<int8_t>(2 * cols * RoundUp(in, 64), 0), std::vector<float>(cols),
-           RoundUp(in, 64), static_cast<int>(2 * cols)};
+Digits Round(const float* x, int64_t in, int64_t cols) {
+  Digits d{std::vector<int8_t>(2 * cols * RoundUp(in, 64), 0), std::vector<int32_t>(2 * cols, 0),
+           std::vector<float>(cols), RoundUp(in, 64), static_cast<int>(2 * cols)};
   for (int64_t c = 0; c < cols; ++c) {
     float amax = 0.0f;
     for (int64_t k = 0; k < in; ++k) amax = std::fmax(amax, std::fabs(x[k * cols + c]));
@@ -40,14 +41,18 @@ Digits Round(const float* x, int64_t in, int64_t cols, bool offset) {
     const float finer = kDigit / step;
     int8_t* hi = d.values.data() + 2 * c * d.stride;
     int8_t* lo = hi + d.stride;
-    const int bias = offset ? 128 : 0;
+    int32_t hi_total = 0, lo_total = 0;
     for (int64_t k = 0; k < in; ++k) {
       const float v = x[k * cols + c];
       const float h = RoundEven(v / step);
       const float l = std::fmin(127.0f, std::fmax(-127.0f, RoundEven((v - h * step) * finer)));
-      hi[k] = static_cast<int8_t>(static_cast<int>(h) + bias);
-      lo[k] = static_cast<int8_t>(static_cast<int>(l) + bias);
+      hi[k] = static_cast<int8_t>(h);
+      lo[k] = static_cast<int8_t>(l);
+      hi_total += hi[k];
+      lo_total += lo[k];
     }
+    d.totals[2 * c] = hi_total;
+    d.totals[2 * c + 1] = lo_total;
     d.steps[c] = step;
   }
   return d;
@@ -107,61 +112,60 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const int8_t* w, int64_t in, c
   }
 }
 
-// AVX512-VNNI: `dpbusd` multiplies the digits offset to unsigned bytes by the signed weights;
-// the row's sum (the same instruction against ones) takes the offset back out. One step takes
-// 64 inputs of NR rows; the last part of a row is read through a mask, which reads zeros past
-// its end. The loops are unrolled so that the accumulators stay in registers: as arrays, GCC
-// kept them on the stack, a store for every product, and the kernel ran at half its speed.
+// AVX512-VNNI: `dpbusd` multiplies unsigned by signed bytes: the weights, offset by 128 to
+// unsigned bytes (a flip of their top bit), by the signed digits; 128 times each digit
+// vector's sum (`totals`) takes the offset back out. One step takes 64 inputs of NR rows; the
+// last part of a row is read through a mask, whose lanes past its end meet zero digits. The
+// loops are unrolled so that the accumulators stay in registers: as arrays, GCC kept them on
+// the stack, a store for every product, and the kernel ran at half its speed.
 template <int NR, int ND>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void StepVnni(
     const int8_t* w, int64_t in, const int8_t* x, int64_t stride, int64_t k, __mmask64 mask,
-    __m512i (&acc)[NR][ND], __m512i (&rowsum)[NR]) {
-  const __m512i ones = _mm512_set1_epi8(1);
+    __m512i (&acc)[NR][ND]) {
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i xs[ND];
 #pragma GCC unroll 4
   for (int j = 0; j < ND; ++j) xs[j] = _mm512_loadu_si512(x + j * stride + k);
 #pragma GCC unroll 4
   for (int i = 0; i < NR; ++i) {
-    const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + i * in + k);
-    rowsum[i] = _mm512_dpbusd_epi32(rowsum[i], ones, wv);
+    const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + i * in + k), top);
 #pragma GCC unroll 4
-    for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xs[j], wv);
+    for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv, xs[j]);
   }
 }
 
 template <int NR, int ND>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void TileVnni(const int8_t* w, int64_t in,
                                                                      const int8_t* x,
-                                                                     int64_t stride, int32_t* out,
-                                                                     int count) {
-  __m512i acc[NR][ND], rowsum[NR];
+                                                                     int64_t stride,
+                                                                     const int32_t* totals,
+                                                                     int32_t* out, int count) {
+  __m512i acc[NR][ND];
 #pragma GCC unroll 4
-  for (int i = 0; i < NR; ++i) {
-    rowsum[i] = _mm512_setzero_si512();
+  for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_setzero_si512();
-  }
   const int64_t full = in / 64 * 64;
   for (int64_t k = 0; k < full; k += 64) {
-    StepVnni<NR, ND>(w, in, x, stride, k, ~__mmask64{0}, acc, rowsum);
+    StepVnni<NR, ND>(w, in, x, stride, k, ~__mmask64{0}, acc);
   }
   if (full < in) {
     const __mmask64 tail = (__mmask64{1} << (in - full)) - 1;
-    StepVnni<NR, ND>(w, in, x, stride, full, tail, acc, rowsum);
+    StepVnni<NR, ND>(w, in, x, stride, full, tail, acc);
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < NR; ++i) {
-    const int32_t offset = 128 * _mm512_reduce_add_epi32(rowsum[i]);
+  for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < ND; ++j) out[i * count + j] = _mm512_reduce_add_epi32(acc[i][j]) - offset;
-  }
+    for (int j = 0; j < ND; ++j) {
+      out[i * count + j] = _mm512_reduce_add_epi32(acc[i][j]) - 128 * totals[j];
+    }
 }
 
 struct Avx2Path {
   static constexpr int kRows = 2;
   template <int NR, int ND>
-  static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride, int32_t* out,
-                   int count) {
+  static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride, const int32_t*,
+                   int32_t* out, int count) {
     TileAvx2<NR, ND>(w, in, x, stride, out, count);
   }
 };
@@ -169,9 +173,9 @@ struct Avx2Path {
 struct VnniPath {
   static constexpr int kRows = 4;
   template <int NR, int ND>
-  static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride, int32_t* out,
-                   int count) {
-    TileVnni<NR, ND>(w, in, x, stride, out, count);
+  static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride,
+                   const int32_t* totals, int32_t* out, int count) {
+    TileVnni<NR, ND>(w, in, x, stride, totals, out, count);
   }
 };
 
@@ -179,20 +183,21 @@ struct VnniPath {
 template <typename Path, int NR>
 void TileRows(const int8_t* w, int64_t in, const Digits& x, int32_t* out) {
   const int8_t* xv = x.values.data();
+  const int32_t* totals = x.totals.data();
   int j = 0;
   for (; j + 4 <= x.count; j += 4) {
-    Path::template Tile<NR, 4>(w, in, xv + j * x.stride, x.stride, out + j, x.count);
+    Path::template Tile<NR, 4>(w, in, xv + j * x.stride, x.stride, totals + j, out + j, x.count);
   }
   const int8_t* rest = xv + j * x.stride;
   switch (x.count - j) {
     case 3:
-      Path::template Tile<NR, 3>(w, in, rest, x.stride, out + j, x.count);
+      Path::template Tile<NR, 3>(w, in, rest, x.stride, totals + j, out + j, x.count);
       break;
     case 2:
-      Path::template Tile<NR, 2>(w, in, rest, x.stride, out + j, x.count);
+      Path::template Tile<NR, 2>(w, in, rest, x.stride, totals + j, out + j, x.count);
       break;
     case 1:
-      Path::template Tile<NR, 1>(w, in, rest, x.stride, out + j, x.count);
+      Path::template Tile<NR, 1>(w, in, rest, x.stride, totals + j, out + j, x.count);
       break;
   }
 }
@@ -231,7 +236,7 @@ ffi::Error W8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("w8_matmul: `scale` needs one value per row of `q`");
   }
   const Isa isa = ActiveIsa();
-  const Digits digits = Round(x.typed_data(), in, cols, isa == kAvx512Vnni);
+  const Digits digits = Round(x.typed_data(), in, cols);
   const int8_t* w = q.typed_data();
   const float* s = scale.typed_data();
   float* out = y->typed_data();
