@@ -56,20 +56,17 @@ def read_cache(buf: jax.Array) -> jax.Array:
 
 
 def to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values `[kv_heads, head_dim, B, T]` as `attend` takes them: keys `[B *
-    kv_heads, head_dim, T]` and values `[B * kv_heads, T, head_dim]`, where both attention
-    products are plain batched matmuls (see `docs/performance.md`, "KV cache layout")."""
-    nkv, d, b, t = k.shape
-    return (
-        k.transpose(2, 0, 1, 3).reshape(b * nkv, d, t),
-        v.transpose(2, 0, 3, 1).reshape(b * nkv, t, d),
-    )
+    """Keys and values `[kv_heads, head_dim, B, T]` as `attend` takes them, one page per row:
+    keys `[B, 1, kv_heads, head_dim, T]` and values `[B, 1, kv_heads, T, head_dim]`, where
+    both attention products are plain batched matmuls (see `docs/performance.md`, "KV cache
+    layout")."""
+    return k.transpose(2, 0, 1, 3)[:, None], v.transpose(2, 0, 3, 1)[:, None]
 
 
 def paged_kv_specs(num_kv_heads: int, head_dim: int, dtype) -> tuple[ScratchSpec, ScratchSpec]:
     """The declared paged K and V caches of one attention layer: keys `[num_pages, kv_heads,
     head_dim, page_size]` and values `[num_pages, kv_heads, page_size, head_dim]`, so that a
-    sequence's pages gathered in order are in `to_cache_layout`'s layouts. On a mesh the pages
+    sequence's pages gathered in order are `attend`'s layouts. On a mesh the pages
     split by KV head over `model`, and where rows own their pages, with their rows over `data`
     (`jaxlm.sharding.Partitioner`)."""
     axes = ("pages", "kv_heads", None, None)
@@ -87,8 +84,8 @@ def write_paged(cache: dict, groups) -> dict:
     """`cache`'s `k_pages` and `v_pages` with the keys and values of every group of `groups`
     written, in one update each (in place when `cache` is donated).
 
-    A group is `(k, v, slots)`: the keys `[R * kv_heads, D, C]` and values `[R * kv_heads, C,
-    D]` of `R` rows of `C` tokens (the cache layouts) and their slots `[R, C]`, each `page *
+    A group is `(k, v, slots)`: the keys `[R, 1, kv_heads, D, C]` and values `[R, 1, kv_heads,
+    C, D]` of `R` rows of `C` tokens (`to_cache_layout`'s) and their slots `[R, C]`, each `page *
     page_size + offset`; a slot past the last page (padding) is not written. Two updates of a
     page array in one step made XLA copy it whole."""
     k_pages, v_pages = cache["k_pages"], cache["v_pages"]
@@ -108,16 +105,10 @@ def write_paged(cache: dict, groups) -> dict:
 
 
 def gather_pages(cache: dict, table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The keys `[R * kv_heads, D, L]` and values `[R * kv_heads, L, D]` of the pages that
-    `table` `[R, pages_per_seq]` lists for each row, in order: `L = pages_per_seq * page_size`
-    slots, as `attend` takes them."""
-    k_pages, v_pages = cache["k_pages"], cache["v_pages"]
-    rows, per_seq = table.shape
-    kv, d, size = k_pages.shape[1:]
-    k = read_cache(k_pages[table]).transpose(0, 2, 3, 1, 4)  # [R, kv, D, pages, size]
-    v = read_cache(v_pages[table]).transpose(0, 2, 1, 3, 4)  # [R, kv, pages, size, D]
-    length = per_seq * size
-    return k.reshape(rows * kv, d, length), v.reshape(rows * kv, length, d)
+    """The keys `[R, P, kv_heads, D, page_size]` and values `[R, P, kv_heads, page_size, D]`
+    of the `P` pages that `table` `[R, P]` lists for each row, in order, as `attend` takes
+    them: the pages as they lie, without laying a row's slots end to end."""
+    return read_cache(cache["k_pages"][table]), read_cache(cache["v_pages"][table])
 
 
 # Attention.
@@ -132,9 +123,15 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> jax.Array:
-    """Scaled dot-product attention of queries `q` `[heads, D, B, T]` over keys `k`
-    `[B * kv_heads, D, S]` and values `v` `[B * kv_heads, S, D]` (the cache layouts, as values)
-    where `mask` `[B, T, S]` holds; returns the heads' outputs `[heads * D, B, T]`.
+    """Scaled dot-product attention of queries `q` `[heads, D, B, T]` over keys `k` `[B, P,
+    kv_heads, D, S]` and values `v` `[B, P, kv_heads, S, D]` (each row's `P` pages of `S` slots,
+    the cache layouts) where `mask` `[B, T, P * S]` holds; returns the heads' outputs `[heads *
+    D, B, T]`.
+
+    The pages are a batch dimension of both products and the softmax spans them: gathering a
+    row's pages end to end cost a transposing copy of its keys and values in every layer, 3.5x
+    the time of the attention itself in a batch-1 decode step (see `docs/performance.md`,
+    "KV cache layout").
 
     The scores are scaled by `scale` (`D ** -0.5` without it) and, with `softcap`, capped to
     `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -144,20 +141,21 @@ def attend(
     there (see `docs/performance.md`, "Attention products' dtype").
     """
     heads, d, b, t = q.shape
-    nkv = k.shape[0] // b
+    pages, nkv, size = k.shape[1], k.shape[2], k.shape[4]
     g = heads // nkv
-    q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b * nkv, g * t, d)
+    q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b, 1, nkv, g * t, d)
+    q = jnp.broadcast_to(q, (b, pages, nkv, g * t, d))
     dtype = k.dtype if t > 1 else jnp.float32
     f32 = jnp.float32
-    scores = jnp.einsum("nqd,nds->nqs", q.astype(dtype), k, preferred_element_type=f32)
+    scores = jnp.einsum("bpnqd,bpnds->bpnqs", q.astype(dtype), k, preferred_element_type=f32)
     scores = scores * (d**-0.5 if scale is None else scale)
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
-    mask = jnp.broadcast_to(mask[:, None, None], (b, nkv, g, t, mask.shape[-1]))
-    scores = jnp.where(mask.reshape(b * nkv, g * t, -1), scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("nqs,nsd->nqd", probs, v.astype(dtype), preferred_element_type=f32)
-    out = out.reshape(b, nkv, g, t, d)
+    mask = mask.reshape(b, t, pages, size).transpose(0, 2, 1, 3)[:, :, None, None]
+    mask = jnp.broadcast_to(mask, (b, pages, nkv, g, t, size)).reshape(scores.shape)
+    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=(1, 4)).astype(dtype)
+    out = jnp.einsum("bpnqs,bpnsd->bpnqd", probs, v.astype(dtype), preferred_element_type=f32)
+    out = out.sum(axis=1).reshape(b, nkv, g, t, d)
     return out.transpose(1, 2, 4, 0, 3).reshape(heads * d, b, t)
 
 
