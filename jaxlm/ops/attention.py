@@ -128,11 +128,10 @@ def attend(
     the cache layouts) where `mask` `[B, T, P * S]` holds; returns the heads' outputs `[heads *
     D, B, T]`.
 
-    One token's products take the pages as a batch dimension and the softmax spans them:
-    laying a row's pages end to end cost a transposing copy of its keys and values in every
-    layer, 3.5x the time of the attention itself in a batch-1 decode step. A chunk of several
-    tokens lays them end to end, which ran twice as fast as page by page (see
-    `docs/performance.md`, "KV cache layout").
+    The pages are a batch dimension of both products and the softmax spans them: gathering a
+    row's pages end to end cost a transposing copy of its keys and values in every layer, 3.5x
+    the time of the attention itself in a batch-1 decode step (see `docs/performance.md`,
+    "KV cache layout").
 
     The scores are scaled by `scale` (`D ** -0.5` without it) and, with `softcap`, capped to
     `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -143,10 +142,6 @@ def attend(
     """
     heads, d, b, t = q.shape
     pages, nkv, size = k.shape[1], k.shape[2], k.shape[4]
-    if t > 1 and pages > 1:
-        k = k.transpose(0, 2, 3, 1, 4).reshape(b, 1, nkv, d, pages * size)
-        v = v.transpose(0, 2, 1, 3, 4).reshape(b, 1, nkv, pages * size, d)
-        pages, size = 1, pages * size
     g = heads // nkv
     q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b, 1, nkv, g * t, d)
     q = jnp.broadcast_to(q, (b, pages, nkv, g * t, d))
