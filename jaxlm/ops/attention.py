@@ -129,9 +129,9 @@ def attend(
     D, B, T]`.
 
     The pages are a batch dimension of both products and the softmax spans them: gathering a
-    row's pages end to end cost a transposing copy of its keys and values in every layer, 3.5x
-    the time of the attention itself in a batch-1 decode step (see `docs/performance.md`,
-    "KV cache layout").
+    row's pages end to end cost a transposing copy of its keys and values in every layer, about
+    twice the time of the attention itself in a batch-1 decode step (56 against 15-20 us a
+    layer; see `docs/performance.md`, "KV cache layout").
 
     The scores are scaled by `scale` (`D ** -0.5` without it) and, with `softcap`, capped to
     `softcap * tanh(scores / softcap)` (Gemma 2).
