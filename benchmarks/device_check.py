@@ -79,7 +79,7 @@ def parity(tmp: str) -> dict:
     tokens = jaxlm.generate(model, None, [ids[0].tolist()], max_new_tokens=16, stop_token_ids=[])
     return dict(
         max_logit_difference=float(np.abs(got - want).max()),
-        greedy_equal=tokens.token_ids[0] == greedy,
+        greedy_equal=tokens[0].token_ids == greedy,
     )
 
 
@@ -107,8 +107,9 @@ def generation(model, tokenizer, new_tokens: int, repeats: int) -> dict:
 
         seconds = median_seconds(once, repeats)
         out[f"generate_batch{batch}_tok_s"] = batch * new_tokens / seconds
-    text, alone = jaxlm.generate(model, tokenizer, PROMPTS[0], **kw).texts[0], result["out"]
-    out["stream_equal"] = "".join(jaxlm.stream(model, tokenizer, PROMPTS[0], **kw)) == text
+    text, alone = jaxlm.generate(model, tokenizer, PROMPTS[0], **kw)[0].text, result["out"]
+    streamed = jaxlm.stream(model, tokenizer, PROMPTS[0], **kw)
+    out["stream_equal"] = "".join(d.text for d in streamed) == text
     out["text"] = text
     seq_len = max(len(tokenizer.encode(p)) for p in PROMPTS) + new_tokens
     # Room for every sequence at its longest, in pages of 16 tokens, and chunks of 16 prompt
@@ -120,7 +121,7 @@ def generation(model, tokenizer, new_tokens: int, repeats: int) -> dict:
         start = time.perf_counter()
         outs = engine.generate(PROMPTS, **kw)
         seconds = time.perf_counter() - start
-    out["engine_equal"] = [o.token_ids for o in outs] == alone.token_ids
+    out["engine_equal"] = [o.token_ids for o in outs] == [o.token_ids for o in alone]
     out["engine_tok_s"] = len(PROMPTS) * new_tokens / seconds
     return out
 

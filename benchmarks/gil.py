@@ -170,7 +170,7 @@ def make_workloads(
         out = jaxlm.generate(
             model, None, prompt, max_new_tokens=new_tokens, stop_token_ids=[], plan=plan
         )
-        return len(out.token_ids[0])
+        return len(out[0].token_ids)
 
     def python_loop() -> int:
         scratch, logits = plan.prefill(plan.take(), padded, lengths)

@@ -85,7 +85,7 @@ def _decode_rates(model, tokenizer, prompt, new_tokens, repeats, drafts):
             start = time.perf_counter()
             outs[how] = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=new_tokens, **asked)
             tn = time.perf_counter() - start
-            rates[how].append((len(outs[how].token_ids[0]) - 1) / max(tn - t1, 1e-9))
+            rates[how].append((len(outs[how][0].token_ids) - 1) / max(tn - t1, 1e-9))
     return [(statistics.median(rates[how]), outs[how]) for how in ways]
 
 
@@ -95,13 +95,13 @@ def _generate_result(model, tokenizer, task, ids, args) -> dict:
     )
     return dict(
         task=task,
-        tokens=len(out.token_ids[0]),
+        tokens=len(out[0].token_ids),
         plain_tok_s=plain,
         ngram_tok_s=drafted,
         ratio=drafted / plain,
-        drafted=out.drafted_tokens[0],
-        accepted=out.accepted_tokens[0],
-        same_tokens=out.token_ids == base.token_ids,
+        drafted=out[0].drafted_tokens,
+        accepted=out[0].accepted_tokens,
+        same_tokens=out[0].token_ids == base[0].token_ids,
     )
 
 

@@ -97,16 +97,17 @@ SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
 PLAN_STEPS = ("generate", "start", "decode")
 
 
-def _sampling(args) -> dict:
-    names = (
-        "max_new_tokens",
-        *SAMPLING_OPTIONS,
-        "seed",
-        "stop",
-        "speculative",
-        "num_speculative_tokens",
-    )
-    return {name: getattr(args, name) for name in names}
+def _params(args):
+    """The sampling parameters of `generate` and `chat`, checked: a bad one is refused before
+    the model loads."""
+    from jaxlm.requests import SamplingParams
+
+    fields = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
+    return SamplingParams(args.max_new_tokens, seed=args.seed, stop=args.stop, **fields)
+
+
+def _speculative(args) -> dict:
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -201,10 +202,11 @@ def _generate(args) -> None:
         args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
     )
     wrote = False
-    for piece in jaxlm.stream(model, tokenizer, args.prompt, **_sampling(args)):
-        sys.stdout.write(piece)
+    params = _params(args)
+    for delta in jaxlm.stream(model, tokenizer, args.prompt, params, **_speculative(args)):
+        sys.stdout.write(delta.text)
         sys.stdout.flush()
-        wrote = wrote or bool(piece)
+        wrote = wrote or bool(delta.text)
     sys.stdout.write("\n")
     if not wrote:
         print(
@@ -240,7 +242,10 @@ def _chat(args) -> None:
             continue
         messages.append({"role": "user", "content": text})
         reply = []
-        for piece in jaxlm.chat(model, tokenizer, messages, stream=True, **_sampling(args)):
+        pieces = jaxlm.chat(
+            model, tokenizer, messages, _params(args), stream=True, **_speculative(args)
+        )
+        for piece in pieces:
             reply.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -348,9 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Refuse a bad value before the model loads, not after.
         if args.command in ("generate", "chat"):
-            from jaxlm.requests import check_sampling
-
-            check_sampling(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
+            _params(args)
         if args.command in ("generate", "chat", "serve"):
             from jaxlm.speculative import drafts_of
 

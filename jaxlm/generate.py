@@ -11,7 +11,6 @@ The plans they make and keep, and the bucketed shapes that let requests share th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 
@@ -21,6 +20,7 @@ from jax.experimental import multihost_utils
 
 from jaxlm import stops
 from jaxlm.constrain import GrammarRows, grammar_of, grammars_for
+from jaxlm.outputs import Delta, Progress, RequestOutput
 from jaxlm.planner import Plan
 from jaxlm.plans import (
     GENERATE,
@@ -32,28 +32,11 @@ from jaxlm.plans import (
     plan_for,
     shapes,
 )
-from jaxlm.requests import Detokenizer, Request, cut_at_stop, is_int, parse_request
+from jaxlm.requests import Request, SamplingParams, is_int, parse_request, sampling_params
 from jaxlm.speculative import drafts_of
 from jaxlm.stops import token_table
 
 STREAM_CHUNK = 8
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """What `generate` returns: one entry per prompt, without the prompt.
-
-    `finish_reasons[i]` is `"stop"` (a stop token or stop string ended row `i`) or `"length"`
-    (it reached `max_new_tokens`). Stop tokens and stop strings are not part of the output.
-    """
-
-    texts: list[str | None]
-    token_ids: list[list[int]]
-    finish_reasons: list[str]
-    prompt_token_ids: list[list[int]]
-    # With `speculative`: each row's tokens drafted, and those of them kept.
-    drafted_tokens: list[int] = dataclasses.field(default_factory=list)
-    accepted_tokens: list[int] = dataclasses.field(default_factory=list)
 
 
 def _prepare(
@@ -95,7 +78,10 @@ def _inputs(req: Request, batch: int, p: int) -> dict:
     # Padding rows copy row 0's settings; they stop at once and their output is dropped.
     params = {k: np.concatenate([v, np.repeat(v[:1], batch - n)]) for k, v in req.sampling.items()}
     rng = np.stack(
-        [np.full((batch,), req.seed & 0xFFFFFFFF, np.uint32), np.arange(batch, dtype=np.uint32)],
+        [
+            np.full((batch,), req.params.seed & 0xFFFFFFFF, np.uint32),
+            np.arange(batch, dtype=np.uint32),
+        ],
         axis=1,
     )
     return dict(prompt=prompt, lengths=lengths, rng=rng, params=params)
@@ -124,12 +110,11 @@ def _read_rows(scratch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int
     )
 
 
-def _drafts(scratch, n: int) -> dict:
+def _drafts(scratch, n: int) -> list[tuple[int, int]]:
+    """Each row's tokens drafted and those of them kept."""
     d = scratch["decode"]
-    return dict(
-        drafted_tokens=_fetch(d["drafted"])[:n].tolist(),
-        accepted_tokens=_fetch(d["accepted"])[:n].tolist(),
-    )
+    drafted, accepted = _fetch(d["drafted"])[:n].tolist(), _fetch(d["accepted"])[:n].tolist()
+    return list(zip(drafted, accepted, strict=True))
 
 
 def _drafts_asked(speculative, num_speculative_tokens, response_format, given) -> int:
@@ -142,63 +127,53 @@ def _drafts_asked(speculative, num_speculative_tokens, response_format, given) -
     return drafts
 
 
+def _request(model, tokenizer, prompts, params, fields, plan) -> Request:
+    """The checked request of `generate`'s or `stream`'s arguments."""
+    params = sampling_params(params, fields)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(params, name):
+            raise ValueError(f"`{name}` is applied by `LLMEngine`, not by `generate` or `stream`")
+    if params.logit_bias:
+        raise ValueError("`logit_bias` is applied by `LLMEngine`, not by `generate` or `stream`")
+    if params.logprobs is not None:
+        raise ValueError("`logprobs` come from `LLMEngine`, not from `generate` or `stream`")
+    return parse_request(model, tokenizer, prompts, params, plan)
+
+
 def generate(
     model,
     tokenizer,
     prompts,
+    params: SamplingParams | None = None,
     *,
-    max_new_tokens: int,
-    temperature=0.0,
-    top_k=None,
-    top_p=None,
-    min_p=None,
-    repetition_penalty=None,
-    seed: int = 0,
-    stop_token_ids: Sequence[int] | None = None,
-    stop: str | Sequence[str] | None = None,
     plan: Plan | None = None,
-    response_format=None,
     speculative: str | None = None,
     num_speculative_tokens: int | None = None,
-) -> GenerationResult:
-    """Generate continuations of `prompts` in one XLA call.
+    **sampling,
+) -> list[RequestOutput]:
+    """Generate continuations of `prompts` in one XLA call; one `RequestOutput` per prompt.
 
     `prompts` is a string, a list of strings, a list of token ids, or a list of such lists.
-    `temperature=0` is greedy; `top_k`, `top_p`, `min_p` and `repetition_penalty` filter the
-    sampled distribution (Hugging Face conventions). Each sampling argument is a number or one
-    number per prompt. Generation stops at `stop_token_ids` (default: the model's EOS tokens;
-    `[]` for none), at `stop` strings (the text is cut before them) or after `max_new_tokens`.
+    `params` is a `jaxlm.SamplingParams`; its fields given as keywords (`max_new_tokens=`,
+    `temperature=`, `stop=`, ...) make one, or replace those of `params`. Each sampling field is
+    a number or one number per prompt. The penalties, `logit_bias` and `logprobs` are
+    `LLMEngine`'s.
 
-    `response_format` holds every output to a grammar, as `LLMEngine.submit` takes it (OpenAI's
-    `{"type": "json_schema", ...}`, a Pydantic model class or a `jaxlm.constrain.Grammar`);
-    a row ends (`"stop"`) when its grammar is complete. Each token's mask comes from the host,
-    so a constrained request runs one call per token rather than one in all.
+    Under a `response_format` each token's mask comes from the host, so a constrained request
+    runs one call per token rather than one in all.
 
     `speculative="ngram"` drafts tokens from each prompt's own text (`jaxlm.speculative`),
     `num_speculative_tokens` (3, at most 16) a step, and checks them in the same call: the same
-    tokens, fewer steps where the output repeats the input; `drafted_tokens` and
-    `accepted_tokens` of the result count them.
+    tokens, fewer steps where the output repeats the input; each output's `drafted_tokens` and
+    `accepted_tokens` count them.
 
     Example:
-        >>> out = jaxlm.generate(model, tokenizer, ["The capital of France is"], max_new_tokens=8)
-        >>> out.texts[0], out.finish_reasons[0]
+        >>> out = jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=8)
+        >>> out[0].text, out[0].finish_reason
         (' Paris.\\n\\nThe answer is: 2', 'length')
     """
-    req = parse_request(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-        stop_token_ids=stop_token_ids,
-        stop=stop,
-        plan=plan,
-    )
+    req = _request(model, tokenizer, prompts, params, sampling, plan)
+    response_format = req.params.response_format
     drafts = _drafts_asked(speculative, num_speculative_tokens, response_format, plan)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
     if constrained is not None:
@@ -226,67 +201,47 @@ def generate(
     return _result(tokenizer, req, tokens[:, start:], counts, done, drafts)
 
 
-def _result(tokenizer, req: Request, tokens, counts, done, drafts=None) -> GenerationResult:
+def _result(tokenizer, req: Request, tokens, counts, done, drafts=None) -> list[RequestOutput]:
     # `tokens[i, :counts[i]]` are row `i`'s, stop tokens left out.
-    texts, token_ids, reasons = [], [], []
-    for i in range(len(req.prompts)):
-        text, ids, stopped = cut_at_stop(tokenizer, tokens[i, : counts[i]].tolist(), req.stop)
-        texts.append(text)
-        token_ids.append(ids)
-        reasons.append("stop" if stopped or done[i] else "length")
-    return GenerationResult(texts, token_ids, reasons, req.prompts, **(drafts or {}))
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        progress = Progress(tokenizer, req.stop, prompt)
+        progress.update(tokens[i, : counts[i]].tolist(), True, "stop" if done[i] else "length")
+        out.append(progress.result)
+        if drafts is not None:
+            out[-1].drafted_tokens, out[-1].accepted_tokens = drafts[i]
+    return out
 
 
 def stream(
     model,
     tokenizer,
     prompts,
+    params: SamplingParams | None = None,
     *,
-    max_new_tokens: int,
-    temperature=0.0,
-    top_k=None,
-    top_p=None,
-    min_p=None,
-    repetition_penalty=None,
-    seed: int = 0,
-    stop_token_ids: Sequence[int] | None = None,
-    stop: str | Sequence[str] | None = None,
     plan: Plan | None = None,
     chunk_tokens: int = STREAM_CHUNK,
-    response_format=None,
     speculative: str | None = None,
     num_speculative_tokens: int | None = None,
-) -> Iterator[str] | Iterator[list[str]]:
-    """Yield text as it is generated; the same arguments and tokens as `generate`.
+    **sampling,
+) -> Iterator[Delta] | Iterator[list[Delta]]:
+    """Yield the output as it is generated: `generate`'s arguments, and its tokens.
 
-    For one prompt (a string or one list of ids) it yields strings; for a list of prompts, a
-    list with one piece per prompt (empty when a row has nothing new). The loop runs in calls of
-    `chunk_tokens` tokens (one under a `response_format`), the scratch donated from one call to
-    the next. `speculative` and `num_speculative_tokens` are `generate`'s.
+    For one prompt (a string or one list of ids) it yields `Delta`s (new text and token ids);
+    for a list of prompts, a list with one per prompt (empty when a row has nothing new). A
+    prompt's last delta carries its `finish_reason`. The loop runs in calls of `chunk_tokens`
+    tokens (one under a `response_format`), the scratch donated from one call to the next.
 
     Example:
-        >>> for piece in jaxlm.stream(model, tokenizer, "Tell me a story", max_new_tokens=64):
-        ...     print(piece, end="", flush=True)
+        >>> for delta in jaxlm.stream(model, tokenizer, "Tell me a story", max_new_tokens=64):
+        ...     print(delta.text, end="", flush=True)
     """
     if tokenizer is None:
         raise ValueError("`stream` yields text and needs a tokenizer")
     if not is_int(chunk_tokens) or chunk_tokens < 1:
         raise ValueError(f"`chunk_tokens` must be an integer >= 1, got {chunk_tokens!r}")
-    req = parse_request(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-        stop_token_ids=stop_token_ids,
-        stop=stop,
-        plan=plan,
-    )
+    req = _request(model, tokenizer, prompts, params, sampling, plan)
+    response_format = req.params.response_format
     drafts = _drafts_asked(speculative, num_speculative_tokens, response_format, plan)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
     steps = MASKED if constrained is not None else STREAM_NGRAM if drafts else STREAM
@@ -294,21 +249,25 @@ def stream(
 
 
 def _stream(model, tokenizer, req: Request, given, chunk_tokens, constrained, steps, drafts):
-    detok = [Detokenizer(tokenizer, req.stop) for _ in req.prompts]
+    rows = [Progress(tokenizer, req.stop, prompt) for prompt in req.prompts]
 
     def cut() -> bool:
         # Every row's text is final once each has met a stop string.
-        return all(d.finished for d in detok)
+        return all(r.result is not None for r in rows)
 
     for tokens, counts, done, final in _calls(
         model, tokenizer, req, given, chunk_tokens, constrained, steps, drafts, cut
     ):
-        pieces = [
-            d.update(tokens[i, : counts[i]].tolist(), final or bool(done[i]))
-            for i, d in enumerate(detok)
-        ]
-        if any(pieces):
-            yield pieces[0] if req.single else pieces
+        deltas = []
+        for i, row in enumerate(rows):
+            ended = final or bool(done[i])
+            reason = "stop" if done[i] else "length"
+            delta = None
+            if row.result is None:
+                delta = row.update(tokens[i, : counts[i]].tolist(), ended, reason)
+            deltas.append(delta or Delta("", []))
+        if any(d.text or d.token_ids or d.finish_reason for d in deltas):
+            yield deltas[0] if req.single else deltas
 
 
 def _constrained(model, tokenizer, response_format, n: int) -> GrammarRows | None:
@@ -371,22 +330,23 @@ def _calls(
 
 
 # `chat` takes a `stream` argument, which hides the function of that name inside it.
-_stream_text = stream
+_stream_deltas = stream
 
 
 def chat(
     model,
     tokenizer,
     messages: Sequence[dict],
+    params: SamplingParams | None = None,
     *,
-    max_new_tokens: int = 256,
     stream: bool = False,
     **kwargs,
 ):
     """Reply to a conversation, rendered with the tokenizer's chat template.
 
     `messages` are dicts with `role` and `content`. Returns the reply text, or with
-    `stream=True` an iterator of its pieces. Other arguments are those of `generate`.
+    `stream=True` an iterator of its pieces of text. Other arguments are those of `generate`;
+    `max_new_tokens` is 256 unless given.
 
     Example:
         >>> jaxlm.chat(model, tokenizer, [{"role": "user", "content": "Hi!"}])
@@ -397,7 +357,9 @@ def chat(
         tokenizer.apply_chat_template(messages, add_generation_prompt=True),
         add_special_tokens=False,
     )
+    if params is None:
+        kwargs.setdefault("max_new_tokens", 256)
     if stream:
-        return _stream_text(model, tokenizer, prompt, max_new_tokens=max_new_tokens, **kwargs)
-    out = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, **kwargs)
-    return out.texts[0]
+        deltas = _stream_deltas(model, tokenizer, prompt, params, **kwargs)
+        return (d.text for d in deltas if d.text)
+    return generate(model, tokenizer, prompt, params, **kwargs)[0].text

@@ -23,7 +23,7 @@ import numpy as np
 from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
 from jaxlm.errors import PlanError
 from jaxlm.planner import Plan, plan
-from jaxlm.requests import Request
+from jaxlm.requests import Request, SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 16
@@ -191,6 +191,7 @@ def request_plan(
     """The plan `generate` (or, with `streaming`, `stream`) makes and caches for `batch` prompts
     of at most `prompt_len` tokens and `max_new_tokens`.
     """
-    req = Request([[0] * prompt_len] * batch, False, max_new_tokens, {}, np.zeros(0), (), 0)
+    prompts, params = [[0] * prompt_len] * batch, SamplingParams(max_new_tokens)
+    req = Request(prompts, False, params, {}, np.zeros(0), (), ())
     rows, p, seq, chunk = shapes(req, None, data_devices(model))
     return plan_for(model, rows, p, seq, chunk, None, STREAM if streaming else GENERATE, 0)

@@ -1,36 +1,21 @@
-"""A generation request checked and in arrays, and its text cut at stop strings.
+"""What a request asks for: `SamplingParams`, checked, and in arrays as a `Request`.
 
-`parse_request` turns the arguments of `generate` and `stream` into a `Request`, or raises a
-`ValueError` that names the argument and its limit before any XLA work; `Detokenizer` releases
-a growing list of ids as text once it is final.
+`SamplingParams` is what `generate`, `stream`, `LLMEngine.submit` and the server take; it checks
+each value as it is made. `parse_request` turns prompts and their parameters into a `Request`
+for a model, or raises a `ValueError` that names the argument and its limit, before any XLA
+work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxlm.batching.sampled import TOP_LOGPROBS
 from jaxlm.engine import SAMPLING_FIELDS, STOP_IDS_BUCKET
-
-
-@dataclasses.dataclass
-class Request:
-    """A checked request: token ids per prompt, per-row sampling arrays, padded stop ids."""
-
-    prompts: list[list[int]]
-    single: bool
-    max_new_tokens: int
-    sampling: dict[str, np.ndarray]
-    stop_ids: np.ndarray
-    stop: tuple[str, ...]
-    seed: int
-    # OpenAI's penalties and `logit_bias` as `(token_id, bias)` pairs, which `LLMEngine` takes.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def _per_row(name: str, value, n: int, default, dtype, check, limit: str) -> np.ndarray:
@@ -79,13 +64,6 @@ _CHECKS = {
 }
 
 
-def check_sampling(**values) -> None:
-    """Check sampling parameters by name as `parse_request` does, before any model exists: the
-    command line refuses `--top-p 2` before it loads anything."""
-    for name, value in values.items():
-        _per_row(name, value, 1, *_CHECKS[name])
-
-
 # OpenAI's limits of its penalties and of a `logit_bias` entry; the most entries of a request's
 # `logit_bias`, which a step takes as a fixed-shape list of ids and values.
 PENALTY_RANGE = 2.0
@@ -93,18 +71,18 @@ BIAS_RANGE = 100.0
 MAX_LOGIT_BIAS = 300
 
 
-def check_penalties(
-    vocab_size: int, presence_penalty, frequency_penalty, logit_bias
+def _penalties(
+    vocab_size: int | None, presence_penalty, frequency_penalty, logit_bias
 ) -> tuple[float, float, tuple[tuple[int, float], ...]]:
     """OpenAI's `presence_penalty`, `frequency_penalty` (each in [-2, 2]) and `logit_bias` (token
     ids, or their strings as JSON keys are, to a bias in [-100, 100]) checked; the bias as
-    `(token_id, bias)` pairs."""
+    `(token_id, bias)` pairs. Without `vocab_size`, any id >= 0 passes."""
     check = lambda v: math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE
     limit = f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]"
     presence = _per_row("presence_penalty", presence_penalty, 1, 0.0, np.float32, check, limit)
     frequency = _per_row("frequency_penalty", frequency_penalty, 1, 0.0, np.float32, check, limit)
     logit_bias = logit_bias or {}
-    if not isinstance(logit_bias, dict):
+    if not isinstance(logit_bias, Mapping):
         raise ValueError(f"`logit_bias` must map token ids to numbers, got {logit_bias!r}")
     if len(logit_bias) > MAX_LOGIT_BIAS:
         raise ValueError(
@@ -113,7 +91,7 @@ def check_penalties(
     pairs = []
     for key, value in logit_bias.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
-        if not is_int(token) or not 0 <= token < vocab_size:
+        if not is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
             raise ValueError(
                 f"`logit_bias` keys must be token ids in [0, {vocab_size}), got {key!r}"
             )
@@ -167,126 +145,131 @@ def is_int(x) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
-def parse_request(model, tokenizer, prompts, **kw) -> Request:
-    """The `Request` of `generate`'s or `stream`'s arguments (`kw` holds them all, by name)."""
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a request samples and when it stops: what `generate`, `stream`, `LLMEngine.submit`
+    and the server take (or build from their keyword arguments). Each value is checked here.
+
+    `temperature=0` is greedy; `top_k`, `top_p`, `min_p` and `repetition_penalty` filter the
+    sampled distribution (Hugging Face conventions; None: off); for `generate` and `stream`,
+    each is a number or one number per prompt. `presence_penalty`, `frequency_penalty` (over
+    the tokens generated, in [-2, 2]) and `logit_bias` (`{token_id: bias in [-100, 100]}`) are
+    OpenAI's. A request stops at `stop_token_ids` (None: the model's EOS tokens; `[]`: none),
+    at `stop` strings (the text is cut before them) or after `max_new_tokens`. `seed` keys the
+    sampling: the same seed, the same tokens. `logprobs=k` records each token's log-probability
+    and the `k` (at most `TOP_LOGPROBS`) most likely tokens' at its step. `response_format` holds
+    the output to a grammar: OpenAI's `{"type": "json_object"}` or `{"type": "json_schema",
+    ...}`, a Pydantic model class or a `jaxlm.constrain.Grammar`; the request stops (`"stop"`)
+    when the grammar is complete.
+
+    Example:
+        >>> params = jaxlm.SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1)
+        >>> jaxlm.generate(model, tokenizer, "Once upon a time", params)[0].text
+    """
+
+    max_new_tokens: int
+    temperature: float | Sequence[float] = 0.0
+    top_k: int | Sequence[int] | None = None
+    top_p: float | Sequence[float] | None = None
+    min_p: float | Sequence[float] | None = None
+    repetition_penalty: float | Sequence[float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    seed: int = 0
+    stop_token_ids: Sequence[int] | None = None
+    stop: str | Sequence[str] | None = None
+    logprobs: int | None = None
+    response_format: object = None
+
+    def __post_init__(self):
+        max_new = self.max_new_tokens
+        if not is_int(max_new) or max_new < 1:
+            raise ValueError(f"`max_new_tokens` must be an integer >= 1, got {max_new!r}")
+        for name in SAMPLING_FIELDS:
+            value = getattr(self, name)
+            n = len(value) if isinstance(value, Sequence | np.ndarray) else 1
+            _per_row(name, value, n, *_CHECKS[name])
+        _penalties(None, self.presence_penalty, self.frequency_penalty, self.logit_bias)
+        if not is_int(self.seed):
+            raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, Sequence | np.ndarray) or not all(is_int(t) for t in ids)
+        ):
+            raise ValueError(f"`stop_token_ids` must be a list of token ids, got {ids!r}")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str | Sequence):
+            raise ValueError(f"`stop` must be a non-empty string or a list of them, got {stop!r}")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("`stop` must be a non-empty string or a list of them")
+        k = self.logprobs
+        if k is not None and (not is_int(k) or not 0 <= k <= TOP_LOGPROBS):
+            raise ValueError(f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {k!r}")
+
+
+def sampling_params(params: SamplingParams | None, fields: dict) -> SamplingParams:
+    """`params` with `fields` (its fields by name) in their place; without `params`, a
+    `SamplingParams` of the fields alone."""
+    if params is None:
+        return SamplingParams(**fields)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"`params` must be a `jaxlm.SamplingParams`, got {type(params).__name__}")
+    return dataclasses.replace(params, **fields) if fields else params
+
+
+@dataclasses.dataclass
+class Request:
+    """Prompts as token ids and their `params`, checked against a model: per-row sampling
+    arrays, padded stop ids, stop strings and `logit_bias` as `(token_id, bias)` pairs."""
+
+    prompts: list[list[int]]
+    single: bool
+    params: SamplingParams
+    sampling: dict[str, np.ndarray]
+    stop_ids: np.ndarray
+    stop: tuple[str, ...]
+    logit_bias: tuple[tuple[int, float], ...]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
+
+
+def parse_request(model, tokenizer, prompts, params: SamplingParams, plan=None) -> Request:
+    """The `Request` of `prompts` under `params` for `model`; with a `plan`, the model's
+    context is the plan's to check."""
     ids, single = _prompt_ids(tokenizer, prompts)
     vocab = model.config.vocab_size
     for i, p in enumerate(ids):
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad}")
-    max_new = kw["max_new_tokens"]
-    if not is_int(max_new) or max_new < 1:
-        raise ValueError(f"`max_new_tokens` must be an integer >= 1, got {max_new!r}")
     n = len(ids)
-    sampling = {name: _per_row(name, kw[name], n, *_CHECKS[name]) for name in SAMPLING_FIELDS}
-    stop_ids = kw["stop_token_ids"]
+    sampling = {
+        name: _per_row(name, getattr(params, name), n, *_CHECKS[name]) for name in SAMPLING_FIELDS
+    }
+    stop_ids = params.stop_token_ids
     if stop_ids is None:
         stop_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         stop_ids = stop_ids or model.config.eos_token_id
-    if not isinstance(stop_ids, Sequence | np.ndarray) or not all(is_int(t) for t in stop_ids):
-        raise ValueError(f"`stop_token_ids` must be a list of token ids, got {stop_ids!r}")
     stop_ids = [int(t) for t in stop_ids]
     if any(not 0 <= t < vocab for t in stop_ids):
         raise ValueError(f"`stop_token_ids` must be in [0, {vocab}), got {stop_ids}")
     size = STOP_IDS_BUCKET * max(1, math.ceil(len(stop_ids) / STOP_IDS_BUCKET))
     padded = np.full((size,), -1, np.int32)
     padded[: len(stop_ids)] = stop_ids
-    stop = kw["stop"]
-    if stop is not None and not isinstance(stop, str | Sequence):
-        raise ValueError(f"`stop` must be a non-empty string or a list of them, got {stop!r}")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError("`stop` must be a non-empty string or a list of them")
+    stop = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
     if stop and tokenizer is None:
         raise ValueError("`stop` strings need a tokenizer")
-    seed = kw["seed"]
-    if not is_int(seed):
-        raise ValueError(f"`seed` must be an integer, got {seed!r}")
+    *_, bias = _penalties(vocab, 0.0, 0.0, params.logit_bias)
+    max_new = params.max_new_tokens
     longest, context = max(len(p) for p in ids), model.config.max_position_embeddings
-    if kw["plan"] is None and longest + max_new > context:
+    if plan is None and longest + max_new > context:
         # Without a plan, the request would size its own cache: refuse it before planning.
         raise ValueError(
             f"prompt of {longest} tokens + `max_new_tokens={max_new}` exceeds the model's "
             f"`max_position_embeddings={context}`; pass a `plan` to go beyond it"
         )
-    return Request(ids, single, max_new, sampling, padded, stop, int(seed))
-
-
-def find_stop(text: str, stop: tuple[str, ...]) -> int:
-    """Where the first of the `stop` strings begins in `text`, or -1."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else -1
-
-
-def cut_at_stop(
-    tokenizer, ids: list[int], stop: tuple[str, ...]
-) -> tuple[str | None, list[int], bool]:
-    """Text and ids before the first stop string; ids keep only tokens wholly before it."""
-    if tokenizer is None:
-        return None, ids, False
-    text = tokenizer.decode(ids)
-    at = find_stop(text, stop) if stop else -1
-    if at < 0:
-        return text, ids, False
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(tokenizer.decode(ids[:mid])) <= at:
-            lo = mid
-        else:
-            hi = mid - 1
-    return text[:at], ids[:lo], True
-
-
-class Detokenizer:
-    """Text of a growing list of ids, released only when it is final.
-
-    Text ending in an incomplete UTF-8 sequence (U+FFFD) or in what could begin a stop string
-    is held back until the next tokens settle it. Each update looks for a stop string only
-    where it could newly end, in the last `len(stop)` characters before the new text and the
-    new text itself, so that long outputs and long stop strings cost no more per token.
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.sent = 0
-        self.finished = False
-        # Characters of the text searched for every stop string already.
-        self.searched = 0
-
-    def update(self, ids: list[int], final: bool) -> str:
-        if self.finished:
-            return ""
-        text = self.tokenizer.decode(ids)
-        at = self._find(text)
-        # Trailing U+FFFD may become another character once more bytes arrive: search it again.
-        settled = len(text.rstrip("\ufffd"))
-        self.searched = settled
-        if at >= 0:
-            self.finished = True
-            end = at
-        elif final:
-            self.finished = True
-            end = len(text)
-        else:
-            end = min([settled] + [settled - _held(text, settled, s) for s in self.stop])
-        piece = text[self.sent : max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return piece
-
-    def _find(self, text: str) -> int:
-        hits = [text.find(s, max(0, self.searched - len(s))) for s in self.stop]
-        hits = [i for i in hits if i >= 0]
-        return min(hits) if hits else -1
-
-
-def _held(text: str, end: int, stop: str) -> int:
-    """The length of the longest end of `text[:end]` that begins `stop` without being all of it."""
-    at = max(0, end - len(stop) + 1)
-    while (at := text.find(stop[0], at, end)) >= 0:
-        if stop.startswith(text[at:end]):
-            return end - at
-        at += 1
-    return 0
+    return Request(ids, single, params, sampling, padded, stop, bias)

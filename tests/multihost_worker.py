@@ -68,9 +68,9 @@ def _layout(path: str, shape: tuple[int, int]) -> tuple[dict, object, object, ob
     )
     result = {
         "processes": [[d.process_index for d in row] for row in mesh.devices],
-        "token_ids": out.token_ids,
-        "texts": out.texts,
-        "stream": ["".join(row) for row in zip(*pieces, strict=True)],
+        "token_ids": [o.token_ids for o in out],
+        "texts": [o.text for o in out],
+        "stream": ["".join(d.text for d in row) for row in zip(*pieces, strict=True)],
         "bill": _bill(plan),
         "budget": budget,
         "budget_max_seq_len": fitted.max_seq_len,
@@ -98,7 +98,10 @@ def main(path: str, out_file: str, processes: int, process_id: int, port: int) -
         out = jaxlm.generate(
             model, tokenizer, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[]
         )
-        results["one device"] = {"token_ids": out.token_ids, "texts": out.texts}
+        results["one device"] = {
+            "token_ids": [o.token_ids for o in out],
+            "texts": [o.text for o in out],
+        }
     partial = Path(f"{out_file}.partial")
     partial.write_text(json.dumps(results))
     os.replace(partial, out_file)

@@ -129,9 +129,10 @@ def test_the_sampling_options_reach_stream(monkeypatch, capsys):
 
     got = {}
 
-    def stream(model, tokenizer, prompt, **kwargs):
-        got.update(kwargs, prompt=prompt)
-        yield "text"
+    def stream(model, tokenizer, prompt, params, **kwargs):
+        got.update(kwargs, prompt=prompt, params=params)
+        yield jaxlm.Delta("te", [1])
+        yield jaxlm.Delta("xt", [2], finish_reason="length")
 
     monkeypatch.setattr(jaxlm, "load", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(jaxlm, "stream", stream)
@@ -142,7 +143,9 @@ def test_the_sampling_options_reach_stream(monkeypatch, capsys):
     assert capsys.readouterr().out == "text\n"
     assert got["prompt"] == "Hi" and got["speculative"] == "ngram"
     assert got["num_speculative_tokens"] == 5
-    assert got["top_k"] == 5 and got["stop"] == ["!"] and got["max_new_tokens"] == 64
+    params = got["params"]
+    assert isinstance(params, jaxlm.SamplingParams)
+    assert params.top_k == 5 and params.stop == ["!"] and params.max_new_tokens == 64
 
 
 def test_the_executable_reports_an_error_in_one_line(env):

@@ -24,9 +24,11 @@ def test_greedy_generation_equals_llama_cpp(smollm2):
     out = jaxlm.generate(
         model, tokenizer, [c["prompt_ids"] for c in cases], max_new_tokens=32, stop_token_ids=[]
     )
-    for case, got in zip(cases, out.token_ids, strict=True):
-        assert got == case["greedy_ids"], case["prompt"]
-        assert tokenizer.decode(got) == case["greedy_text"]
+    for case, got in zip(cases, out, strict=True):
+        assert got.token_ids == case["greedy_ids"], case["prompt"]
+        assert tokenizer.decode(got.token_ids) == case["greedy_text"]
+        assert got.text == case["greedy_text"] and got.finish_reason == "length"
+        assert got.prompt_token_ids == case["prompt_ids"]
 
 
 def test_greedy_generation_with_drafts_equals_llama_cpp(smollm2):
@@ -41,8 +43,9 @@ def test_greedy_generation_with_drafts_equals_llama_cpp(smollm2):
             stop_token_ids=[],
             speculative="ngram",
         )
-        assert out.token_ids[0] == case["greedy_ids"], case["prompt"]
-        accepted += out.accepted_tokens[0]
+        assert out[0].token_ids == case["greedy_ids"], case["prompt"]
+        assert 0 <= out[0].accepted_tokens <= out[0].drafted_tokens
+        accepted += out[0].accepted_tokens
     # The continuations repeat themselves: drafts were kept, not only proposed.
     assert accepted > 0
 
@@ -56,9 +59,9 @@ def test_chats_answer_the_same_with_drafts(smollm2):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         plain = jaxlm.generate(model, tokenizer, ids, max_new_tokens=48)
         drafted = jaxlm.generate(model, tokenizer, ids, max_new_tokens=48, speculative="ngram")
-        assert drafted.token_ids == plain.token_ids, text
-        assert drafted.finish_reasons == plain.finish_reasons, text
-        accepted += drafted.accepted_tokens[0]
+        assert [o.token_ids for o in drafted] == [o.token_ids for o in plain], text
+        assert [o.finish_reason for o in drafted] == [o.finish_reason for o in plain], text
+        accepted += drafted[0].accepted_tokens
     assert accepted > 0
 
 
@@ -68,8 +71,8 @@ def test_eos_stops_generation_by_default(smollm2):
     # llama.cpp's continuation reaches `<|im_end|>` (id 2, the EOS) at its 30th token.
     out = jaxlm.generate(model, tokenizer, case["prompt"], max_new_tokens=32)
     stop_at = case["greedy_ids"].index(2)
-    assert out.token_ids[0] == case["greedy_ids"][:stop_at]
-    assert out.finish_reasons == ["stop"]
+    assert out[0].token_ids == case["greedy_ids"][:stop_at]
+    assert [o.finish_reason for o in out] == ["stop"]
     assert 2 in tokenizer.eos_token_ids
 
 
@@ -111,4 +114,4 @@ def test_greedy_tokens_equal_the_recorded_ones(dtype, quantize):
     out = jaxlm.generate(
         model, tokenizer, recorded["prompts"], max_new_tokens=32, stop_token_ids=[]
     )
-    assert out.token_ids == recorded[dtype + (f"+{quantize}" if quantize else "")]
+    assert [o.token_ids for o in out] == recorded[dtype + (f"+{quantize}" if quantize else "")]

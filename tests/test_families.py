@@ -270,7 +270,7 @@ def assert_same_greedy_tokens(model, hf, speculative=(None,)):
         out = jaxlm.generate(
             model, None, [PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculative=how
         )
-        assert out.token_ids[0] == ref[0, len(PROMPT) :].tolist(), how
+        assert out[0].token_ids == ref[0, len(PROMPT) :].tolist(), how
 
 
 def test_safetensors_equal_transformers(family):

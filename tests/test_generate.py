@@ -13,8 +13,8 @@ import transformers
 from conftest import CHATML, make_hf_model
 
 import jaxlm
+from jaxlm.outputs import Detokenizer
 from jaxlm.plans import KEPT_PLANS, request_plan
-from jaxlm.requests import Detokenizer
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 
@@ -49,21 +49,22 @@ def test_greedy_equals_reference_loop(tmp_path, family):
     make_hf_model(tmp_path, family)
     model, _ = jaxlm.load(tmp_path)
     out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
-    assert out.finish_reasons == ["length"] * 3
-    for prompt, got in zip(PROMPTS, out.token_ids, strict=True):
-        assert got == reference_greedy(model, prompt, 12)
+    assert [o.finish_reason for o in out] == ["length"] * 3
+    for prompt, got in zip(PROMPTS, out, strict=True):
+        assert got.token_ids == reference_greedy(model, prompt, 12)
+        assert got.prompt_token_ids == prompt
 
 
 def test_greedy_stops_at_stop_tokens(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     free = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
-    stop = free.token_ids[0][4]
+    stop = free[0].token_ids[4]
     out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
-    for prompt, got, reason in zip(PROMPTS, out.token_ids, out.finish_reasons, strict=True):
+    for prompt, got in zip(PROMPTS, out, strict=True):
         expected = reference_greedy(model, prompt, 12, stop=(stop,))
-        assert got == expected
-        assert reason == ("stop" if len(expected) < 12 else "length")
-    assert out.token_ids[0] == free.token_ids[0][: free.token_ids[0].index(stop)]
+        assert got.token_ids == expected
+        assert got.finish_reason == ("stop" if len(expected) < 12 else "length")
+    assert out[0].token_ids == free[0].token_ids[: free[0].token_ids.index(stop)]
 
 
 def slots_scored(hlo: str) -> set[int]:
@@ -87,8 +88,8 @@ def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama):
     long = [int(t) for t in np.random.default_rng(0).integers(1, 96, 250)]
     prompts = [long, PROMPTS[1]]
     out = jaxlm.generate(model, None, prompts, max_new_tokens=12, stop_token_ids=[], plan=plan)
-    for prompt, got in zip(prompts, out.token_ids, strict=True):
-        assert got == reference_greedy(model, prompt, 12)
+    for prompt, got in zip(prompts, out, strict=True):
+        assert got.token_ids == reference_greedy(model, prompt, 12)
 
 
 def test_given_plan_and_prefill_chunks(tiny_llama):
@@ -99,22 +100,23 @@ def test_given_plan_and_prefill_chunks(tiny_llama):
     for size in (4, 40):
         assert size in slots_scored(hlo), size
     out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=9, stop_token_ids=[], plan=plan)
-    for prompt, got in zip(PROMPTS, out.token_ids, strict=True):
-        assert got == reference_greedy(model, prompt, 9)
+    for prompt, got in zip(PROMPTS, out, strict=True):
+        assert got.token_ids == reference_greedy(model, prompt, 9)
 
 
 def test_same_seed_same_tokens_and_greedy_rows_stay_greedy(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     kw = dict(max_new_tokens=10, stop_token_ids=[], top_k=20)
-    a = jaxlm.generate(model, None, PROMPTS, temperature=[0.0, 1.0, 1.5], seed=3, **kw)
-    b = jaxlm.generate(model, None, PROMPTS, temperature=[0.0, 1.0, 1.5], seed=3, **kw)
-    c = jaxlm.generate(model, None, PROMPTS, temperature=[0.0, 1.0, 1.5], seed=4, **kw)
-    assert a.token_ids == b.token_ids
-    assert a.token_ids[1:] != c.token_ids[1:]
-    assert a.token_ids[0] == reference_greedy(model, PROMPTS[0], 10)
+    params = jaxlm.SamplingParams(temperature=[0.0, 1.0, 1.5], seed=3, **kw)
+    a = [o.token_ids for o in jaxlm.generate(model, None, PROMPTS, params)]
+    b = [o.token_ids for o in jaxlm.generate(model, None, PROMPTS, params)]
+    c = [o.token_ids for o in jaxlm.generate(model, None, PROMPTS, params, seed=4)]
+    assert a == b
+    assert a[1:] != c[1:]
+    assert a[0] == reference_greedy(model, PROMPTS[0], 10)
     # A row's samples depend on its seed and position in the batch, not on the other rows.
     alone = jaxlm.generate(model, None, PROMPTS[:2], temperature=[0.5, 1.0], seed=3, **kw)
-    assert alone.token_ids[1] == a.token_ids[1]
+    assert alone[1].token_ids == a[1]
 
 
 def test_sampling_changes_compile_nothing(tiny_llama):
@@ -164,8 +166,8 @@ def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
 def test_repetition_penalty_avoids_repeats(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0])
     kw = dict(max_new_tokens=24, stop_token_ids=[])
-    plain = jaxlm.generate(model, None, PROMPTS[0], **kw).token_ids[0]
-    penalized = jaxlm.generate(model, None, PROMPTS[0], repetition_penalty=1e6, **kw).token_ids[0]
+    plain = jaxlm.generate(model, None, PROMPTS[0], **kw)[0].token_ids
+    penalized = jaxlm.generate(model, None, PROMPTS[0], repetition_penalty=1e6, **kw)[0].token_ids
     assert len(set(plain)) < len(plain)
     # With a huge penalty every seen token (prompt included) loses to any unseen one.
     seen = set(PROMPTS[0])
@@ -177,17 +179,19 @@ def test_repetition_penalty_avoids_repeats(tiny_llama):
 def test_text_prompts_stop_strings_and_eos(chat_model):
     model, tok = chat_model
     free = jaxlm.generate(model, tok, "The capital of", max_new_tokens=20, stop_token_ids=[])
-    text = free.texts[0]
-    assert text == tok.decode(free.token_ids[0])
+    assert len(free) == 1
+    text = free[0].text
+    assert text == tok.decode(free[0].token_ids)
+    assert free[0].prompt_token_ids == tok.encode("The capital of")
     stop = text[5:8]
     first = text.find(stop)
     out = jaxlm.generate(
         model, tok, "The capital of", max_new_tokens=20, stop_token_ids=[], stop=stop
     )
-    assert out.texts[0] == text[:first]
-    assert out.finish_reasons == ["stop"]
-    assert tok.decode(out.token_ids[0]) == text[: len(tok.decode(out.token_ids[0]))]
-    assert len(tok.decode(out.token_ids[0])) <= first
+    assert out[0].text == text[:first]
+    assert [o.finish_reason for o in out] == ["stop"]
+    assert tok.decode(out[0].token_ids) == text[: len(tok.decode(out[0].token_ids))]
+    assert len(tok.decode(out[0].token_ids)) <= first
     # EOS comes from the tokenizer config by default.
     assert tok.eos_token_ids == (tok.backend.token_to_id("<|im_end|>"), 0)
 
@@ -195,15 +199,23 @@ def test_text_prompts_stop_strings_and_eos(chat_model):
 def test_stream_yields_the_generated_text(chat_model):
     model, tok = chat_model
     kw = dict(max_new_tokens=30, temperature=0.9, seed=7, stop_token_ids=[])
-    full = jaxlm.generate(model, tok, "Once upon a time", **kw).texts[0]
+    (out,) = jaxlm.generate(model, tok, "Once upon a time", **kw)
+    full = out.text
     pieces = list(jaxlm.stream(model, tok, "Once upon a time", chunk_tokens=3, **kw))
-    assert "".join(pieces) == full
-    assert len(pieces) > 1
+    assert "".join(d.text for d in pieces) == full
+    assert len([d for d in pieces if d.text]) > 1
+    # The deltas' tokens are generate's, and the last one says why it ended.
+    assert [t for d in pieces for t in d.token_ids] == out.token_ids
+    assert pieces[-1].finish_reason == out.finish_reason == "length"
+    assert all(d.finish_reason is None for d in pieces[:-1])
     batch = list(jaxlm.stream(model, tok, ["Once upon a time", "café"], **kw))
-    assert "".join(p[0] for p in batch) == full
+    assert all(len(p) == 2 for p in batch)
+    assert "".join(p[0].text for p in batch) == full
+    assert [t for p in batch for t in p[0].token_ids] == out.token_ids
     stop = full[4:6]
-    cut = "".join(jaxlm.stream(model, tok, "Once upon a time", stop=stop, **kw))
-    assert cut == full[: full.find(stop)]
+    cut = list(jaxlm.stream(model, tok, "Once upon a time", stop=stop, **kw))
+    assert "".join(d.text for d in cut) == full[: full.find(stop)]
+    assert cut[-1].finish_reason == "stop"
 
 
 def test_stream_plan_accounts_for_every_step_it_runs(chat_model):
@@ -216,7 +228,7 @@ def test_stream_plan_accounts_for_every_step_it_runs(chat_model):
     with jaxlm.CompileCounter() as compiles:
         pieces = list(jaxlm.stream(model, tok, prompt, max_new_tokens=9, chunk_tokens=4))
     assert compiles.builds == 0
-    assert len(pieces) > 1
+    assert len([d for d in pieces if d.text]) > 1
 
 
 def test_detokenizer_holds_back_partial_characters(chat_model):
@@ -241,7 +253,7 @@ def test_chat_renders_the_template_as_transformers_does(chat_model, tiny_chat):
     assert tok.chat_template == CHATML
     reply = jaxlm.chat(model, tok, messages, max_new_tokens=8)
     prompt = tok.encode(expected, add_special_tokens=False)
-    assert reply == jaxlm.generate(model, tok, prompt, max_new_tokens=8).texts[0]
+    assert reply == jaxlm.generate(model, tok, prompt, max_new_tokens=8)[0].text
     assert "".join(jaxlm.chat(model, tok, messages, max_new_tokens=8, stream=True)) == reply
 
 
@@ -299,9 +311,9 @@ def test_generate_runs_weights_quantized_in_place(tiny_llama):
     jaxlm.generate(model, None, PROMPTS, **kw)
     floats = weakref.ref(model.model.layers[0].mlp.gate_up_proj.weight.get_value())
     jaxlm.quantize(model, "int8")
-    got = jaxlm.generate(model, None, PROMPTS, **kw).token_ids
+    got = [o.token_ids for o in jaxlm.generate(model, None, PROMPTS, **kw)]
     loaded, _ = jaxlm.load(tiny_llama[0], quantize="int8")
-    assert got == jaxlm.generate(loaded, None, PROMPTS, **kw).token_ids
+    assert got == [o.token_ids for o in jaxlm.generate(loaded, None, PROMPTS, **kw)]
     # Nothing keeps the float weights: the steps and plans made for them went with them.
     gc.collect()
     assert floats() is None
@@ -336,7 +348,7 @@ def test_the_loop_ends_at_a_stop_string(chat_model):
     model, tok = chat_model
     kw = dict(max_new_tokens=64, stop_token_ids=[])
     prompt = "Once upon a time"
-    out = jaxlm.generate(model, tok, prompt, **kw).token_ids[0]
+    out = jaxlm.generate(model, tok, prompt, **kw)[0].token_ids
     # A stop string of two tokens of whole characters, from the fourth token on.
     stop = next(
         text for k in range(3, 60) if (text := tok.decode(out[k : k + 2])).isascii() and text
@@ -346,7 +358,8 @@ def test_the_loop_ends_at_a_stop_string(chat_model):
     jaxlm.plans_of(model).clear()
     result = jaxlm.generate(model, tok, prompt, stop=stop, **kw)
     text = tok.decode(out)
-    assert result.texts[0] == text[: text.index(stop)] and result.finish_reasons == ["stop"]
+    assert result[0].text == text[: text.index(stop)]
+    assert [o.finish_reason for o in result] == ["stop"]
     scratch = jaxlm.plans_of(model)[0]._pool[0]
     sampled = int(scratch["decode"]["index"]) - int(scratch["decode"]["prompt_end"]) + 1
     assert until < 64 and sampled == until

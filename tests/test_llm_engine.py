@@ -33,7 +33,7 @@ def tiny(tiny_llama):
 
 def solo(model, prompt, new, **kw):
     out = jaxlm.generate(model, None, [prompt], max_new_tokens=new, stop_token_ids=[], **kw)
-    return out.token_ids[0]
+    return out[0].token_ids
 
 
 def requests(seed: int, n: int, vocab: int):
@@ -179,17 +179,22 @@ def test_text_stop_strings_and_streaming(tiny_chat):
     reference = jaxlm.generate(model, tok, prompt, max_new_tokens=24, stop=["e"])
     with LLMEngine(model, tok, **{**SMALL, "page_size": 8, "num_pages": 40}) as engine:
         handle = engine.submit(prompt, max_new_tokens=24, stop=["e"])
-        pieces = list(handle)
+        deltas = list(handle)
         out = handle.result()
-        # Iterated again, as a notebook cell run again: the same pieces, from the start.
-        assert iterate(handle) == pieces
-    assert "".join(pieces) == out.text == reference.texts[0]
-    assert out.token_ids == reference.token_ids[0]
-    assert out.finish_reason == reference.finish_reasons[0]
+        # Iterated again, as a notebook cell run again: the same deltas, from the start.
+        assert iterate(handle) == deltas
+    (expected,) = reference
+    assert "".join(d.text for d in deltas) == out.text == expected.text
+    assert out.token_ids == expected.token_ids
+    assert out.finish_reason == expected.finish_reason
+    # The deltas hold the output's tokens, and the last one why it ended.
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids
+    assert deltas[-1].finish_reason == out.finish_reason
+    assert all(d.finish_reason is None for d in deltas[:-1])
 
 
-def iterate(handle, timeout: float = 60.0) -> list[str]:
-    """The pieces of one iteration of `handle`, or what it raised; fails, rather than hangs, if
+def iterate(handle, timeout: float = 60.0) -> list[jaxlm.Delta]:
+    """The deltas of one iteration of `handle`, or what it raised; fails, rather than hangs, if
     it does not end."""
     result = {}
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm.batching.engine import TOP_LOGPROBS, LLMEngine
+from jaxlm.batching.engine import LLMEngine
+from jaxlm.batching.sampled import TOP_LOGPROBS
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_repetition_penalty_equals_generate(tiny, engine, kw):
     handles = [engine.submit(p, max_new_tokens=12, **kw) for p in PROMPTS]
     got = [h.result(timeout=300).token_ids for h in handles]
     expected = [
-        jaxlm.generate(tiny, None, [p], max_new_tokens=12, **kw).token_ids[0] for p in PROMPTS
+        jaxlm.generate(tiny, None, [p], max_new_tokens=12, **kw)[0].token_ids for p in PROMPTS
     ]
     assert got == expected
     plain = engine.submit(PROMPTS[0], max_new_tokens=12, stop_token_ids=[]).result(timeout=300)
@@ -73,6 +74,8 @@ def test_deltas_carry_every_token_once_and_call_back(engine):
     assert [t for d in deltas for t in d.token_ids] == result.token_ids
     assert [lp for d in deltas for lp in d.logprobs] == result.logprobs
     assert all(t.top == () for t in result.logprobs)
+    assert deltas[-1].finish_reason == result.finish_reason == "length"
+    assert all(d.finish_reason is None for d in deltas[:-1])
     assert len(calls) >= len(deltas) and handle.deltas() == []
 
 

@@ -217,12 +217,15 @@ def test_paged_engine_equals_generate(moe):
     model, _ = jaxlm.load(path)
     prompts = [[5, 17, 3, 88, 41, 9, 60], [2, 33, 71], [14, 50, 6, 7, 8, 9, 10, 11, 12, 13]]
     kw = dict(max_new_tokens=12, stop_token_ids=[])
-    expected = jaxlm.generate(model, None, prompts, **kw).token_ids
+    expected = jaxlm.generate(model, None, prompts, **kw)
     # Prompts of at most 16 tokens, one or two chunks a step: 32 tokens a step compile every
     # shape they run, where the default 256 compiled six more.
     sizes = dict(max_num_seqs=2, page_size=4, num_pages=32, max_num_batched_tokens=32)
     with LLMEngine(model, **sizes) as engine:
-        assert [r.token_ids for r in engine.generate(prompts, **kw)] == expected
+        got = engine.generate(prompts, **kw)
+    assert [r.token_ids for r in got] == [o.token_ids for o in expected]
+    assert [r.finish_reason for r in got] == [o.finish_reason for o in expected]
+    assert [r.prompt_token_ids for r in got] == [o.prompt_token_ids for o in expected] == prompts
 
 
 @pytest.mark.parametrize("name", sorted(FULL_SIZE))

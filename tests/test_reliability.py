@@ -34,8 +34,8 @@ import jaxlm
 from jaxlm.config import ModelConfig
 from jaxlm.errors import LoadError
 from jaxlm.loading import checkpoint_tensors, open_checkpoint
+from jaxlm.outputs import Detokenizer
 from jaxlm.plans import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
-from jaxlm.requests import Detokenizer
 
 FUZZ = settings(
     max_examples=100,
@@ -91,10 +91,13 @@ class Chat:
         self.fresh_text = [self.stream(ids, new) for ids, new in self.requests]
 
     def generate(self, ids, new, **kw):
-        return jaxlm.generate(self.model, self.tok, ids, max_new_tokens=new, **kw).token_ids[0]
+        return jaxlm.generate(self.model, self.tok, ids, max_new_tokens=new, **kw)[0].token_ids
+
+    def deltas(self, ids, new, **kw):
+        return list(jaxlm.stream(self.model, self.tok, ids, max_new_tokens=new, **kw))
 
     def stream(self, ids, new, **kw):
-        return "".join(jaxlm.stream(self.model, self.tok, ids, max_new_tokens=new, **kw))
+        return "".join(d.text for d in self.deltas(ids, new, **kw))
 
     def check_fresh(self):
         """The model gives the tokens and text it gave when fresh."""
@@ -102,7 +105,9 @@ class Chat:
             self.requests, self.fresh, self.fresh_text, strict=True
         ):
             assert self.generate(ids, new) == tokens
-            assert self.stream(ids, new) == text
+            deltas = self.deltas(ids, new)
+            assert "".join(d.text for d in deltas) == text
+            assert [t for d in deltas for t in d.token_ids] == tokens
 
     def pools(self):
         return [plan._pool for plan in jaxlm.engine.engine_of(self.model).plans.values()]
@@ -162,7 +167,7 @@ def test_200_calls_keep_live_arrays_and_compile_nothing(tiny_chat, record_proper
     before, arrays_before = live(), len(jax.live_arrays())
     with jaxlm.CompileCounter() as compiles:
         for ids, new, sampling in requests:
-            out = jaxlm.generate(model, tok, ids, max_new_tokens=new, **sampling).token_ids[0]
+            out = jaxlm.generate(model, tok, ids, max_new_tokens=new, **sampling)[0].token_ids
             assert len(out) <= new and all(0 <= t < vocab for t in out)
         # The plan used last holds its scratch between calls (`jaxlm.plans_of`): end on the
         # warm-up's last bucket, as before.
@@ -241,7 +246,7 @@ def consume(chat, how: str):
     ids, new = chat.requests[1]
     it = jaxlm.stream(chat.model, chat.tok, ids, max_new_tokens=new, chunk_tokens=2)
     if how == "finish":
-        assert "".join(it) == chat.fresh_text[1]
+        assert "".join(d.text for d in it) == chat.fresh_text[1]
     elif how == "close":
         next(it)
         it.close()
@@ -929,9 +934,12 @@ def test_byte_tokens_decode_to_replacement_characters(chat):
     invalid = [ids[0xC3], ids[0x28], ids[0xE2], ids[0x82], ids[0xFF]]
     assert tok.decode(invalid) == "\ufffd(\ufffd\ufffd"
     out = jaxlm.generate(chat.model, tok, [invalid, invalid[:2]], max_new_tokens=6)
-    assert all(isinstance(t, str) for t in out.texts)
+    assert len(out) == 2 and all(isinstance(o.text, str) for o in out)
     streamed = list(jaxlm.stream(chat.model, tok, invalid, max_new_tokens=6))
-    assert "".join(streamed) == jaxlm.generate(chat.model, tok, invalid, max_new_tokens=6).texts[0]
+    (whole,) = jaxlm.generate(chat.model, tok, invalid, max_new_tokens=6)
+    assert "".join(d.text for d in streamed) == whole.text
+    assert [t for d in streamed for t in d.token_ids] == whole.token_ids
+    assert streamed[-1].finish_reason == whole.finish_reason
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
         tok.decode([5, -1])
 

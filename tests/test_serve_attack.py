@@ -34,7 +34,7 @@ from serve_helpers import (
 
 import jaxlm
 from jaxlm.batching import PagePool, Scheduler
-from jaxlm.requests import Detokenizer, find_stop
+from jaxlm.outputs import Detokenizer, find_stop
 from jaxlm.serve import create_app, http
 from jaxlm.serve.protocol import QUOTE_CHARS
 

@@ -73,13 +73,15 @@ def test_greedy_tokens_are_the_same_with_drafts(tiny_llama, new_tokens):
     model, _ = jaxlm.load(tiny_llama[0])
     for prompts in (LOOPS[:1], LOOPS):
         plain, drafted = _both(model, None, prompts, max_new_tokens=new_tokens, stop_token_ids=[])
-        assert drafted.token_ids == plain.token_ids
-        assert drafted.finish_reasons == plain.finish_reasons
-        assert all(len(t) == new_tokens for t in drafted.token_ids)
-    assert plain.drafted_tokens == plain.accepted_tokens == [0, 0]
+        assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+        assert [o.finish_reason for o in drafted] == [o.finish_reason for o in plain]
+        assert all(len(o.token_ids) == new_tokens for o in drafted)
+    assert [o.drafted_tokens for o in plain] == [o.accepted_tokens for o in plain] == [0, 0]
+    # A row keeps no more drafts than it made.
+    assert all(0 <= o.accepted_tokens <= o.drafted_tokens for o in drafted)
     if new_tokens == 40:
         # The model fell into loops, drafted and kept drafts: the chunks' tokens were checked.
-        assert min(drafted.accepted_tokens) > 0
+        assert min(o.accepted_tokens for o in drafted) > 0
 
 
 @pytest.mark.parametrize("drafts", [1, 5])
@@ -90,17 +92,17 @@ def test_every_draft_count_gives_the_same_tokens(tiny_llama, drafts):
     drafted = jaxlm.generate(
         model, None, LOOPS, speculative="ngram", num_speculative_tokens=drafts, **kwargs
     )
-    assert drafted.token_ids == plain.token_ids
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     # Each chunk drafted `drafts` tokens, and some of them were kept.
-    assert all(n > 0 and n % drafts == 0 for n in drafted.drafted_tokens)
-    assert min(drafted.accepted_tokens) > 0
+    assert all(o.drafted_tokens > 0 and o.drafted_tokens % drafts == 0 for o in drafted)
+    assert min(o.accepted_tokens for o in drafted) > 0
 
 
 def test_int8_weights_give_the_same_tokens_with_drafts(tiny_llama):
     model, _ = jaxlm.load(tiny_llama[0], quantize="int8")
     plain, drafted = _both(model, None, LOOPS, max_new_tokens=40, stop_token_ids=[])
-    assert drafted.token_ids == plain.token_ids
-    assert min(drafted.accepted_tokens) > 0
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert min(o.accepted_tokens for o in drafted) > 0
 
 
 def test_seeded_samples_stop_tokens_and_penalties_are_the_same_with_drafts(tiny_llama):
@@ -110,19 +112,19 @@ def test_seeded_samples_stop_tokens_and_penalties_are_the_same_with_drafts(tiny_
     kwargs = dict(max_new_tokens=40, seed=7, stop_token_ids=[3])
     sampled = dict(temperature=[0.6, 1.0], top_k=[0, 8], top_p=[0.9, 1.0])
     plain, drafted = _both(model, None, LOOPS, **kwargs, **sampled)
-    assert drafted.token_ids == plain.token_ids
-    assert drafted.finish_reasons == plain.finish_reasons
-    assert max(drafted.drafted_tokens) > 0
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in drafted] == [o.finish_reason for o in plain]
+    assert max(o.drafted_tokens for o in drafted) > 0
     # Each position's penalty counts the drafts before it as the row's tokens.
     plain, drafted = _both(model, None, LOOPS, **kwargs, repetition_penalty=1.1)
-    assert drafted.token_ids == plain.token_ids
-    assert min(drafted.accepted_tokens) > 0
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert min(o.accepted_tokens for o in drafted) > 0
 
 
 def test_stream_yields_the_text_of_generate(tiny_chat):
     model, tokenizer = jaxlm.load(tiny_chat)
     prompt = "The capital of France is Paris. The capital of France is"
-    out = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=24, stop_token_ids=[])
+    (out,) = jaxlm.generate(model, tokenizer, prompt, max_new_tokens=24, stop_token_ids=[])
     pieces = list(
         jaxlm.stream(
             model,
@@ -135,13 +137,16 @@ def test_stream_yields_the_text_of_generate(tiny_chat):
             chunk_tokens=5,
         )
     )
-    assert len(pieces) > 1
-    assert "".join(pieces) == out.texts[0]
+    assert len([d for d in pieces if d.text]) > 1
+    assert "".join(d.text for d in pieces) == out.text
+    # With drafts too, the deltas' tokens are generate's and the last one says why it ended.
+    assert [t for d in pieces for t in d.token_ids] == out.token_ids
+    assert pieces[-1].finish_reason == out.finish_reason == "length"
     # A stop string ends the row as it does without drafts.
-    stop = out.texts[0][5:8]
+    stop = out.text[5:8]
     plain, drafted = _both(model, tokenizer, prompt, max_new_tokens=24, stop=stop)
-    assert drafted.texts == plain.texts
-    assert drafted.finish_reasons == plain.finish_reasons == ["stop"]
+    assert [o.text for o in drafted] == [o.text for o in plain]
+    assert [o.finish_reason for o in drafted] == [o.finish_reason for o in plain] == ["stop"]
 
 
 def test_a_planned_request_drafts_in_place_without_compiling(tiny_llama):
@@ -152,7 +157,7 @@ def test_a_planned_request_drafts_in_place_without_compiling(tiny_llama):
     kwargs = dict(plan=plan, stop_token_ids=[], speculative="ngram")
     first = jaxlm.generate(model, None, LOOPS, max_new_tokens=8, **kwargs)
     # A request drafts as many tokens a step as its plan does.
-    assert all(n % 4 == 0 for n in first.drafted_tokens)
+    assert all(o.drafted_tokens % 4 == 0 for o in first)
     with pytest.raises(PlanError, match="`num_speculative_tokens=2` differs from the plan's 4"):
         jaxlm.generate(model, None, LOOPS, max_new_tokens=8, num_speculative_tokens=2, **kwargs)
     (held,) = plan._pool
@@ -160,7 +165,7 @@ def test_a_planned_request_drafts_in_place_without_compiling(tiny_llama):
     with jaxlm.CompileCounter() as compiles:
         out = jaxlm.generate(model, None, LOOPS[::-1], max_new_tokens=33, **kwargs)
     assert compiles.builds == 0
-    assert min(out.accepted_tokens) > 0
+    assert min(o.accepted_tokens for o in out) > 0
     (held,) = plan._pool
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)] == pointers
 

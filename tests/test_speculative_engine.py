@@ -83,6 +83,10 @@ def test_eight_requests_give_the_same_tokens_with_drafts_as_without(engine, samp
     made, kept = (a - b for a, b in zip(drafted(engine), before, strict=True))
     assert made >= kept > 0
     assert made % 5 == 0
+    # Each result counts its own drafts: together, the engine's; without drafts, none.
+    assert sum(r.drafted_tokens for r in spec) == made
+    assert sum(r.accepted_tokens for r in spec) == kept
+    assert all(r.drafted_tokens == r.accepted_tokens == 0 for r in plain)
     assert engine.pool.num_in_use == 0
 
 

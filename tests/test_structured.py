@@ -127,17 +127,20 @@ def test_generate_stream_and_chat_hold_to_a_schema_as_the_engine_does(served):
     # Two rows under one grammar in one call: `Person` for both prompts.
     out = jaxlm.generate(model, tokenizer, prompts, **kw)
     for i, prompt in enumerate(prompts):
-        assert out.finish_reasons[i] == "stop", out
-        jsonschema.validate(json.loads(out.texts[i]), _schema(Person))
+        assert out[i].finish_reason == "stop", out
+        jsonschema.validate(json.loads(out[i].text), _schema(Person))
         # Greedy under the same grammar: the engine's tokens, and `stream`'s text.
-        assert engine.submit(prompt, **kw).result().token_ids == out.token_ids[i]
-        assert "".join(jaxlm.stream(model, tokenizer, prompt, **kw)) == out.texts[i]
+        assert engine.submit(prompt, **kw).result().token_ids == out[i].token_ids
+        deltas = list(jaxlm.stream(model, tokenizer, prompt, **kw))
+        assert "".join(d.text for d in deltas) == out[i].text
+        assert [t for d in deltas for t in d.token_ids] == out[i].token_ids
+        assert deltas[-1].finish_reason == out[i].finish_reason
     reply = jaxlm.chat(model, tokenizer, ask(SCHEMAS[2][1]), response_format=Paint)
     assert Paint.model_validate_json(reply)
     # Cut short, the output is the start of an object and ends for its `length`.
     short = jaxlm.generate(model, tokenizer, prompts[0], max_new_tokens=3, response_format=Paint)
-    assert short.finish_reasons == ["length"] and short.texts[0].startswith("{")
-    assert len(short.token_ids[0]) == 3
+    assert [o.finish_reason for o in short] == ["length"] and short[0].text.startswith("{")
+    assert len(short[0].token_ids) == 3
     # `generate` and the engine compiled their grammars with one `llguidance` tokenizer.
     assert engine._grammars is constrain.grammars_for(tokenizer, model.config.vocab_size)
 

@@ -13,18 +13,19 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 from flax import nnx
 
-from jaxlm.batching.handle import RequestHandle, RequestOutput
+from jaxlm.batching.handle import RequestHandle
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.plan import EnginePlan, plan_engine
-from jaxlm.batching.sampled import TOP_LOGPROBS, unpack
+from jaxlm.batching.sampled import unpack
 from jaxlm.batching.scheduler import Batch, Scheduler
 from jaxlm.constrain import Grammars, grammar_of, grammars_for
-from jaxlm.requests import check_penalties, is_int, parse_request
+from jaxlm.outputs import RequestOutput
+from jaxlm.requests import SamplingParams, parse_request, sampling_params
 from jaxlm.speculative import drafts_of
 
 # `submit`'s `speculative` when not given: the engine's.
@@ -196,6 +197,9 @@ class LLMEngine:
                     drafted, accepted, wait, backoff = out[-1, rows[c.seq.id], 1:5]
                     self.drafted_tokens += int(drafted)
                     self.accepted_tokens += int(accepted)
+                    if (handle := self._handles.get(c.seq.id)) is not None:
+                        handle.drafted_tokens += int(drafted)
+                        handle.accepted_tokens += int(accepted)
                     c.seq.draft_wait, c.seq.draft_backoff = int(wait), int(backoff)
             for tokens, *logprobs in unpack(out):
                 sampled = {i: int(tokens[r]) for i, r in rows.items() if tokens[r] >= 0}
@@ -299,40 +303,22 @@ class LLMEngine:
     def submit(
         self,
         prompt,
+        params: SamplingParams | None = None,
         *,
-        max_new_tokens: int,
-        temperature=0.0,
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        repetition_penalty=None,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
         on_update: Callable[[], None] | None = None,
         group: Hashable = None,
-        response_format=None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping | None = None,
         speculative=ENGINE_DEFAULT,
+        **sampling,
     ) -> RequestHandle:
         """Queue one request (a string or token ids); returns its handle at once.
 
-        The sampling arguments are `jaxlm.generate`'s, for one prompt; a bad one raises
-        `ValueError` here, and a full queue `QueueFullError`. `logprobs=k` records each token's
-        log-probability and the `k` (at most `TOP_LOGPROBS`) most likely tokens' at its step.
-        `on_update` is called from the engine's thread whenever the handle has new deltas or
-        has ended; it must not block. Requests submitted with one `group` (the choices of one
-        HTTP request) share the batch's slots with other groups as one (see `Scheduler`).
-
-        `response_format` holds the output to a grammar: OpenAI's `{"type": "json_object"}` or
-        `{"type": "json_schema", ...}`, a Pydantic model class or a `jaxlm.constrain.Grammar`
-        (JSON schema, regular expression, choices, Lark); the request stops (`"stop"`) when
-        the grammar is complete. `presence_penalty`, `frequency_penalty` (over the tokens
-        generated, in [-2, 2]) and `logit_bias` (`{token_id: bias in [-100, 100]}`) are
-        OpenAI's. A request with a grammar or either penalty runs one decode step a call.
+        `params` is a `jaxlm.SamplingParams` (its fields as keywords make one, or replace its
+        own), as `jaxlm.generate` takes it, for one prompt; a bad one raises `ValueError` here,
+        and a full queue `QueueFullError`. `on_update` is called from the engine's thread
+        whenever the handle has new deltas or has ended; it must not block. Requests submitted
+        with one `group` (the choices of one HTTP request) share the batch's slots with other
+        groups as one (see `Scheduler`). A request with a grammar (`response_format`) or either
+        penalty runs one decode step a call.
 
         `speculative` (`"engine"`: the engine's) drafts tokens by prompt lookup (`"ngram"`), or
         not (None); a request with a grammar or any penalty does not draft.
@@ -340,10 +326,6 @@ class LLMEngine:
         Example:
             >>> h = engine.submit("JSON: ", max_new_tokens=64, response_format=MyModel)
             >>> MyModel.model_validate_json(h.result().text)"""
-        if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
-            raise ValueError(
-                f"`logprobs` must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}"
-            )
         if speculative == ENGINE_DEFAULT:
             speculative = self.speculative
         drafts_of(speculative)
@@ -352,28 +334,11 @@ class LLMEngine:
                 "`speculative` needs an engine that verifies drafts: "
                 'LLMEngine(..., speculative="ngram")'
             )
-        req = parse_request(
-            self.model,
-            self.tokenizer,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-            stop=stop,
-            plan=None,
-        )
+        req = parse_request(self.model, self.tokenizer, prompt, sampling_params(params, sampling))
         if len(req.prompts) != 1:
             raise ValueError("`submit` takes one prompt; submit each of several on its own")
         req.stop_ids = frozenset(int(t) for t in req.stop_ids if t >= 0)
-        req.presence_penalty, req.frequency_penalty, req.logit_bias = check_penalties(
-            self.model.config.vocab_size, presence_penalty, frequency_penalty, logit_bias
-        )
-        grammar, matcher = grammar_of(response_format), None
+        grammar, matcher = grammar_of(req.params.response_format), None
         if grammar is not None:
             self._grammars = grammars_for(self.tokenizer, self.model.config.vocab_size)
             # Compiling takes a while for a large schema: not under the engine's lock.
@@ -381,8 +346,8 @@ class LLMEngine:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            seq = self.scheduler.submit(req.prompts[0], max_new_tokens, group)
-            handle = RequestHandle(self, seq, req, self.tokenizer, logprobs, on_update)
+            seq = self.scheduler.submit(req.prompts[0], req.max_new_tokens, group)
+            handle = RequestHandle(self, seq, req, self.tokenizer, on_update)
             handle._matcher = matcher
             # Drafts would need the host's mask or counts at every position: such rows do not.
             handle._drafts = speculative is not None and not (
@@ -392,9 +357,11 @@ class LLMEngine:
             self._wake.notify()
         return handle
 
-    def generate(self, prompts: Sequence, **kwargs) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence, params: SamplingParams | None = None, **kwargs
+    ) -> list[RequestOutput]:
         """Submit every prompt and wait for all: `[handle.result() ...]` in their order."""
-        handles = [self.submit(p, **kwargs) for p in prompts]
+        handles = [self.submit(p, params, **kwargs) for p in prompts]
         return [h.result() for h in handles]
 
     def _cancel(self, handle: RequestHandle) -> None:
@@ -426,4 +393,6 @@ def _one_step(handle: RequestHandle) -> bool:
     """Whether a request's next token depends on the host after each step: a grammar's mask
     does, and the counts of its tokens that the penalties read."""
     req = handle._req
-    return handle._matcher is not None or bool(req.presence_penalty or req.frequency_penalty)
+    return handle._matcher is not None or bool(
+        req.params.presence_penalty or req.params.frequency_penalty
+    )

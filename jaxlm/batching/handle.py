@@ -7,81 +7,47 @@ strings and wakes whoever waits on it (an iteration, `result()`, or an event loo
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterator
 
 from jaxlm.batching.scheduler import SequenceState
-from jaxlm.requests import Detokenizer, cut_at_stop
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability, and the `top` most likely tokens' at its step as
-    `(token_id, logprob)` pairs, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """A finished request: its text (None without a tokenizer), token ids and why it ended
-    (`"stop"`, `"length"` or `"cancelled"`); with `logprobs=` at submit, one `TokenLogprob` per
-    token."""
-
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str
-    prompt_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclasses.dataclass
-class Delta:
-    """What a request produced since the last `RequestHandle.deltas()`: new text, the tokens
-    sampled meanwhile and their log-probabilities (None unless asked for)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
+from jaxlm.outputs import Delta, Progress, RequestOutput, TokenLogprob
 
 
 class RequestHandle:
-    """A submitted request: iterate it for its text as it is generated, or wait for `result()`.
+    """A submitted request: iterate it for its output as it is generated, or wait for `result()`.
 
     Example:
         >>> handle = engine.submit("Once upon a time", max_new_tokens=32)
-        >>> for piece in handle:
-        ...     print(piece, end="")
+        >>> for delta in handle:
+        ...     print(delta.text, end="")
         >>> handle.result().finish_reason
 
     A program on an event loop passes `on_update` to `submit` instead: the engine's thread calls
     it whenever there is something new, and `deltas()` takes it without waiting.
     """
 
-    def __init__(self, engine, seq: SequenceState, req, tokenizer, top_logprobs, on_update):
+    def __init__(self, engine, seq: SequenceState, req, tokenizer, on_update):
         self._engine = engine
         self.seq = seq
         self._req = req
-        self._tokenizer = tokenizer
-        # The text so far, piece by piece: every iteration of the handle reads it from the start.
-        self._pieces: list[str] = []
+        self._progress = Progress(tokenizer, req.stop, list(seq.prompt))
+        # Every delta so far: every iteration of the handle reads them from the start.
+        self._history: list[Delta] = []
         self._changed = threading.Condition()
-        self._detokenizer = Detokenizer(tokenizer, req.stop) if tokenizer is not None else None
         self._done = threading.Event()
         self._result: RequestOutput | None = None
         self._error: BaseException | None = None
         self._on_update = on_update
-        self._deltas: list[Delta] = []
-        self._sent = 0  # tokens handed out in deltas so far
-        self._top = top_logprobs
+        self._deltas: list[Delta] = []  # not yet taken by `deltas()`
+        self._top = req.params.logprobs
         # The request's place in its grammar (`jaxlm.constrain.Matcher`), set by the engine.
         self._matcher = None
         # Whether the request drafts tokens (`LLMEngine.submit`'s `speculative`).
         self._drafts = False
-        self.logprobs: list[TokenLogprob] | None = None if top_logprobs is None else []
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.logprobs: list[TokenLogprob] | None = None if self._top is None else []
         # When each token arrived (`time.perf_counter()`), for latency figures.
         self.token_times: list[float] = []
 
@@ -97,42 +63,24 @@ class RequestHandle:
 
     def _step(self, finished: bool) -> bool:
         """Take the sequence's new tokens; whether a stop string ended it."""
-        ids = self._tokens()
-        if self._detokenizer is None:
-            self._emit("", ids)
-            if finished:
-                self._finish(None, ids, self.seq.finish_reason)
-            return False
-        piece = self._detokenizer.update(ids, final=finished)
-        if piece:
+        progress = self._progress
+        delta = progress.update(self._tokens(), finished, self.seq.finish_reason, self.logprobs)
+        if delta is not None:
             with self._changed:
-                self._pieces.append(piece)
+                self._history.append(delta)
+                self._deltas.append(delta)
                 self._changed.notify_all()
-        stopped = self._detokenizer.finished and not finished
-        if finished or stopped:
-            text, ids, cut = cut_at_stop(self._tokenizer, ids, self._req.stop)
-            self._emit(piece, ids)
-            self._finish(text, ids, "stop" if cut or stopped else self.seq.finish_reason)
-        elif piece:
-            self._emit(piece, ids)
-        return stopped
-
-    def _emit(self, text: str, ids: list[int]) -> None:
-        new = ids[self._sent :]
-        if not text and not new:
-            return
-        logprobs = None if self.logprobs is None else self.logprobs[self._sent : len(ids)]
-        self._deltas.append(Delta(text, new, logprobs))
-        self._sent = max(self._sent, len(ids))
-        if self._on_update is not None:
+        if progress.result is not None:
+            result = progress.result
+            result.drafted_tokens, result.accepted_tokens = (
+                self.drafted_tokens,
+                self.accepted_tokens,
+            )
+            self._result = result
+            self._set_done()
+        if delta is not None and self._on_update is not None:
             self._on_update()
-
-    def _finish(self, text, ids, reason) -> None:
-        logprobs = None if self.logprobs is None else self.logprobs[: len(ids)]
-        self._result = RequestOutput(text, ids, reason, list(self.seq.prompt), logprobs)
-        self._set_done()
-        if self._on_update is not None:
-            self._on_update()
+        return progress.result is not None and not finished
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -156,18 +104,19 @@ class RequestHandle:
             out, self._deltas = self._deltas, []
         return out
 
-    def __iter__(self) -> Iterator[str]:
-        """The text, piece by piece as it is generated; from the start on every iteration, so
-        that a notebook cell run again prints it again."""
+    def __iter__(self) -> Iterator[Delta]:
+        """The output, delta by delta as it is generated (the last carries the
+        `finish_reason`); from the start on every iteration, so that a notebook cell run again
+        prints it again."""
         sent = 0
         while True:
             with self._changed:
-                while len(self._pieces) == sent and not self._done.is_set():
+                while len(self._history) == sent and not self._done.is_set():
                     self._changed.wait()
-                new, done = self._pieces[sent:], self._done.is_set()
+                new, done = self._history[sent:], self._done.is_set()
             yield from new
             sent += len(new)
-            if done and sent == len(self._pieces):
+            if done and sent == len(self._history):
                 break
         if self._error is not None:
             raise self._error

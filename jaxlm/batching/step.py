@@ -304,16 +304,20 @@ class Steps:
             for name in SAMPLING_FIELDS:
                 params[name][r] = req.sampling[name][0]
             # The key of a one-prompt `generate`'s only row.
-            keys[r] = (req.seed & 0xFFFFFFFF, 0)
+            keys[r] = (req.params.seed & 0xFFFFFFFF, 0)
             generated[r] = len(seq.output)
             if c.sample and params["repetition_penalty"][r] != 1.0:
                 # The prompt and every token generated so far, as `generate` penalizes them.
                 if seen is self._unseen:
                     seen = np.zeros_like(self._unseen)
                 seen[r, seq.tokens] = True
-            penalties["presence"][r] = req.presence_penalty
-            penalties["frequency"][r] = req.frequency_penalty
-            if c.sample and (req.presence_penalty or req.frequency_penalty) and seq.output:
+            penalties["presence"][r] = req.params.presence_penalty
+            penalties["frequency"][r] = req.params.frequency_penalty
+            if (
+                c.sample
+                and (req.params.presence_penalty or req.params.frequency_penalty)
+                and seq.output
+            ):
                 if counts is self._uncounted:
                     counts = np.zeros_like(self._uncounted)
                 counts[r] = np.bincount(seq.output, minlength=self.vocab_size)

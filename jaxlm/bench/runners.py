@@ -31,7 +31,7 @@ class JaxlmRunner:
         out = jaxlm.generate(
             self.model, None, prompts, max_new_tokens=new_tokens, stop_token_ids=[], plan=plan
         )
-        return time.perf_counter() - t, out.token_ids
+        return time.perf_counter() - t, [o.token_ids for o in out]
 
 
 class TransformersRunner:

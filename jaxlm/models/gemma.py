@@ -74,7 +74,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     Example:
         >>> model, tokenizer = jaxlm.load("path/to/gemma-2-2b")
-        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16).texts
+        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16)[0].text
     """
 
     model_class = GemmaModel
@@ -112,7 +112,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     Example:
         >>> model, tokenizer = jaxlm.load("path/to/gemma-3-1b-it")
-        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16).texts
+        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16)[0].text
     """
 
     model_class = Gemma3Model

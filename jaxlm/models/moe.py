@@ -88,7 +88,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     Example:
         >>> model, tokenizer = jaxlm.load("path/to/Mixtral-8x7B-v0.1", dtype=jnp.bfloat16)
-        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16).texts
+        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16)[0].text
     """
 
     model_class = MoeModel
@@ -100,7 +100,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     Example:
         >>> model, tokenizer = jaxlm.load("path/to/Qwen3-30B-A3B", dtype=jnp.bfloat16)
-        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16).texts
+        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16)[0].text
     """
 
     model_class = MoeModel

@@ -59,7 +59,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     Example:
         >>> model, tokenizer = jaxlm.load("path/to/OLMo-2-0425-1B")
-        >>> jaxlm.generate(model, tokenizer, "Language models are", max_new_tokens=16).texts
+        >>> jaxlm.generate(model, tokenizer, "Language models are", max_new_tokens=16)[0].text
     """
 
     model_class = Olmo2Model

@@ -32,5 +32,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     Example:
         >>> model, tokenizer = jaxlm.load("path/to/Phi-3.5-mini-instruct")
-        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16).texts
+        >>> jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=16)[0].text
     """

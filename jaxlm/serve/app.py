@@ -303,6 +303,8 @@ class Server:
         async for batch in choices.updates():
             for i, deltas, finished in batch:
                 for d in deltas:
+                    if not d.text and not d.token_ids:
+                        continue
                     logprobs = None
                     if d.logprobs is not None:
                         logprobs = protocol.completion_logprobs(
@@ -370,6 +372,8 @@ class Server:
             for i, deltas, finished in batch:
                 # With tools, the text is held until it ends: only then is it known to be a call.
                 for d in [] if calls is not None else deltas:
+                    if not d.text and not d.token_ids:
+                        continue
                     logprobs = None
                     if d.logprobs is not None:
                         logprobs = protocol.chat_logprobs(self.tokenizer, d.logprobs)

@@ -16,9 +16,9 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from jaxlm.batching.handle import RequestOutput, TokenLogprob
 from jaxlm.batching.sampled import TOP_LOGPROBS
 from jaxlm.constrain import Grammar, GrammarError, grammar_of
+from jaxlm.outputs import RequestOutput, TokenLogprob
 from jaxlm.requests import BIAS_RANGE, PENALTY_RANGE, is_int
 
 # The most choices one request may ask for (`n`, times the prompts of a completion).

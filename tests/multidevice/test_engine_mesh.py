@@ -107,7 +107,7 @@ def test_serve_on_a_two_by_two_mesh(tiny_chat):
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want.texts[0]
+        assert r.json()["choices"][0]["text"] == want[0].text
     finally:
         proc.terminate()
         proc.wait(timeout=60)

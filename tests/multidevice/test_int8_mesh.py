@@ -17,7 +17,7 @@ def test_int8_weights_split_with_their_scales(tmp_path):
     ids = np.random.default_rng(0).integers(0, 96, (2, 9))
     kw = dict(max_new_tokens=8, stop_token_ids=[])
     model, _ = jaxlm.load(tmp_path, quantize="int8")
-    logits, tokens = forward(model, ids), jaxlm.generate(model, None, PROMPTS, **kw).token_ids
+    logits, outputs = forward(model, ids), jaxlm.generate(model, None, PROMPTS, **kw)
     model, _ = jaxlm.load(tmp_path, quantize="int8", mesh=(2, 2))
     mlp = model.model.layers[0].mlp
     # Column-parallel gate/up: the rows and their scales split; row-parallel down: its input.
@@ -25,4 +25,5 @@ def test_int8_weights_split_with_their_scales(tmp_path):
     assert mlp.gate_up_proj.scale[...].sharding.spec == P(None, "model")
     assert mlp.down_proj.weight[...].sharding.spec == P(None, "model")
     np.testing.assert_allclose(forward(model, ids), logits, atol=1e-4, rtol=0)
-    assert jaxlm.generate(model, None, PROMPTS, **kw).token_ids == tokens
+    # Every field of each output: its tokens, finish reason and prompt.
+    assert jaxlm.generate(model, None, PROMPTS, **kw) == outputs

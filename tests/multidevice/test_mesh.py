@@ -41,7 +41,7 @@ def single(saved):
     for family, path in saved.items():
         model, _ = jaxlm.load(path)
         out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
-        results[family] = (ids, forward(model, ids), out.token_ids)
+        results[family] = (ids, forward(model, ids), [o.token_ids for o in out])
     return results
 
 
@@ -56,17 +56,21 @@ def test_sharded_model_equals_single_device(saved, single, family, mesh):
     model, _ = jaxlm.load(saved[family], mesh=mesh)
     np.testing.assert_allclose(forward(model, ids), logits, atol=1e-5, rtol=0)
     out = jaxlm.generate(model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[])
-    assert out.token_ids == tokens
+    assert [o.token_ids for o in out] == tokens
 
 
 def test_stream_on_a_mesh(tiny_chat):
     prompts = ["The capital of France", "Once upon a time"]
     kw = dict(max_new_tokens=20, stop_token_ids=[])
     model, tokenizer = jaxlm.load(tiny_chat)
-    expected = jaxlm.generate(model, tokenizer, prompts, **kw).texts
+    expected = jaxlm.generate(model, tokenizer, prompts, **kw)
     model, tokenizer = jaxlm.load(tiny_chat, mesh=(2, 2))
     pieces = list(jaxlm.stream(model, tokenizer, prompts, chunk_tokens=6, **kw))
-    assert ["".join(row) for row in zip(*pieces, strict=True)] == expected
+    rows = list(zip(*pieces, strict=True))
+    assert ["".join(d.text for d in row) for row in rows] == [o.text for o in expected]
+    assert [[t for d in row for t in d.token_ids] for row in rows] == [
+        o.token_ids for o in expected
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,165 @@
+"""What a request gives back, the same from `generate`, `stream` and `LLMEngine`.
+
+`RequestOutput` is a finished request; `Delta` is what `stream` and an engine's handle hand out
+as tokens arrive. `Progress` makes both from a request's growing list of token ids: text is
+released only once final (`Detokenizer`) and cut before the first stop string (`cut_at_stop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the `top` most likely tokens' at its step as
+    `(token_id, logprob)` pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A finished request, without its prompt.
+
+    `text` is None without a tokenizer. `finish_reason` is `"stop"` (a stop token, a stop string
+    or a complete grammar ended it), `"length"` (it reached `max_new_tokens`) or `"cancelled"`;
+    stop tokens and stop strings are not part of the output. With `logprobs=`, one
+    `TokenLogprob` per token. With drafts (`speculative=`), the tokens drafted and those of them
+    kept.
+    """
+
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclasses.dataclass
+class Delta:
+    """What a request produced since the last delta: new text, the tokens sampled meanwhile and
+    their log-probabilities (None unless asked for); the last one carries the `finish_reason`."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+class Progress:
+    """One request's output as its tokens arrive: the deltas to hand out, then its result."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], prompt: list[int]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.prompt = prompt
+        self.detokenizer = Detokenizer(tokenizer, stop) if tokenizer is not None else None
+        self.sent = 0  # tokens handed out in deltas so far
+        self.result: RequestOutput | None = None
+
+    def update(self, ids: list[int], finished: bool, reason: str, logprobs=None) -> Delta | None:
+        """The delta of `ids`, every token so far (stop tokens left out), or None when no text
+        is final yet; once `finished` (with `reason`) or cut by a stop string, `result` is set.
+        `logprobs` are the tokens' so far, when asked for."""
+        if self.result is not None:
+            return None
+        if self.detokenizer is None:
+            piece, ended = "", finished
+        else:
+            piece = self.detokenizer.update(ids, final=finished)
+            ended = finished or self.detokenizer.finished
+        if ended:
+            text, ids, cut = cut_at_stop(self.tokenizer, ids, self.stop)
+            reason = "stop" if cut else reason
+            kept = None if logprobs is None else logprobs[: len(ids)]
+            self.result = RequestOutput(text, ids, reason, self.prompt, kept)
+        new = ids[self.sent :]
+        if not ended and not piece and (self.detokenizer is not None or not new):
+            return None
+        kept = None if logprobs is None else logprobs[self.sent : len(ids)]
+        self.sent = max(self.sent, len(ids))
+        return Delta(piece, new, kept, reason if ended else None)
+
+
+def find_stop(text: str, stop: tuple[str, ...]) -> int:
+    """Where the first of the `stop` strings begins in `text`, or -1."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def cut_at_stop(
+    tokenizer, ids: list[int], stop: tuple[str, ...]
+) -> tuple[str | None, list[int], bool]:
+    """Text and ids before the first stop string; ids keep only tokens wholly before it."""
+    if tokenizer is None:
+        return None, ids, False
+    text = tokenizer.decode(ids)
+    at = find_stop(text, stop) if stop else -1
+    if at < 0:
+        return text, ids, False
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.decode(ids[:mid])) <= at:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:at], ids[:lo], True
+
+
+class Detokenizer:
+    """Text of a growing list of ids, released only when it is final.
+
+    Text ending in an incomplete UTF-8 sequence (U+FFFD) or in what could begin a stop string
+    is held back until the next tokens settle it. Each update looks for a stop string only
+    where it could newly end, in the last `len(stop)` characters before the new text and the
+    new text itself, so that long outputs and long stop strings cost no more per token.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.sent = 0
+        self.finished = False
+        # Characters of the text searched for every stop string already.
+        self.searched = 0
+
+    def update(self, ids: list[int], final: bool) -> str:
+        if self.finished:
+            return ""
+        text = self.tokenizer.decode(ids)
+        at = self._find(text)
+        # Trailing U+FFFD may become another character once more bytes arrive: search it again.
+        settled = len(text.rstrip("\ufffd"))
+        self.searched = settled
+        if at >= 0:
+            self.finished = True
+            end = at
+        elif final:
+            self.finished = True
+            end = len(text)
+        else:
+            end = min([settled] + [settled - _held(text, settled, s) for s in self.stop])
+        piece = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece
+
+    def _find(self, text: str) -> int:
+        hits = [text.find(s, max(0, self.searched - len(s))) for s in self.stop]
+        hits = [i for i in hits if i >= 0]
+        return min(hits) if hits else -1
+
+
+def _held(text: str, end: int, stop: str) -> int:
+    """The length of the longest end of `text[:end]` that begins `stop` without being all of it."""
+    at = max(0, end - len(stop) + 1)
+    while (at := text.find(stop[0], at, end)) >= 0:
+        if stop.startswith(text[at:end]):
+            return end - at
+        at += 1
+    return 0
