@@ -42,8 +42,9 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class Delta:
-    """What a request produced since the last delta: new text, the tokens sampled meanwhile and
-    their log-probabilities (None unless asked for); the last one carries the `finish_reason`."""
+    """What a request produced since the last delta: new text, its tokens (each goes out with
+    the last of its text) and their log-probabilities (None unless asked for); the last delta
+    carries the `finish_reason`."""
 
     text: str
     token_ids: list[int]
@@ -78,11 +79,15 @@ class Progress:
             reason = "stop" if cut else reason
             kept = None if logprobs is None else logprobs[: len(ids)]
             self.result = RequestOutput(text, ids, reason, self.prompt, kept)
-        new = ids[self.sent :]
+        end = len(ids)
+        if not ended and self.detokenizer is not None and self.detokenizer.held:
+            # A token goes out with the last of its text, which a stop string may yet cut.
+            end = _tokens_within(self.tokenizer, ids, self.detokenizer.sent, self.sent)
+        new = ids[self.sent : end]
         if not ended and not piece and (self.detokenizer is not None or not new):
             return None
-        kept = None if logprobs is None else logprobs[self.sent : len(ids)]
-        self.sent = max(self.sent, len(ids))
+        kept = None if logprobs is None else logprobs[self.sent : end]
+        self.sent = max(self.sent, end)
         return Delta(piece, new, kept, reason if ended else None)
 
 
@@ -102,14 +107,19 @@ def cut_at_stop(
     at = find_stop(text, stop) if stop else -1
     if at < 0:
         return text, ids, False
-    lo, hi = 0, len(ids)
+    return text[:at], ids[: _tokens_within(tokenizer, ids, at)], True
+
+
+def _tokens_within(tokenizer, ids: list[int], chars: int, lo: int = 0) -> int:
+    """How many of the first `ids` (at least `lo`) decode to at most `chars` characters."""
+    hi = len(ids)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if len(tokenizer.decode(ids[:mid])) <= at:
+        if len(tokenizer.decode(ids[:mid])) <= chars:
             lo = mid
         else:
             hi = mid - 1
-    return text[:at], ids[:lo], True
+    return lo
 
 
 class Detokenizer:
@@ -126,6 +136,8 @@ class Detokenizer:
         self.stop = stop
         self.sent = 0
         self.finished = False
+        # Whether the text's last characters are held back.
+        self.held = False
         # Characters of the text searched for every stop string already.
         self.searched = 0
 
@@ -147,6 +159,7 @@ class Detokenizer:
             end = min([settled] + [settled - _held(text, settled, s) for s in self.stop])
         piece = text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
+        self.held = self.sent < len(text)
         return piece
 
     def _find(self, text: str) -> int:

@@ -13,7 +13,7 @@ import transformers
 from conftest import CHATML, make_hf_model
 
 import jaxlm
-from jaxlm.outputs import Detokenizer
+from jaxlm.outputs import Detokenizer, Progress, cut_at_stop
 from jaxlm.plans import KEPT_PLANS, request_plan
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
@@ -239,6 +239,37 @@ def test_detokenizer_holds_back_partial_characters(chat_model):
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == "café 東京 😀 "
     assert detok.finished
+
+
+class Pieces:
+    """A tokenizer whose token `i` is `PIECES[i]`."""
+
+    PIECES = ("a", "xc", "e", "b", "c")
+
+    def decode(self, ids):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3], [0, 1, 3, 4, 2], [1, 1, 3]])
+def test_a_delta_hands_out_a_token_with_the_last_of_its_text(ids):
+    # Token 1 ("xc") ends in the first character of the stop string "ce": its "c" is held back,
+    # and the token with it, until the next token shows whether the stop string cuts it.
+    tok = Pieces()
+    progress = Progress(tok, ("ce",), [0])
+    deltas = [progress.update(ids[: i + 1], i + 1 == len(ids), "length") for i in range(len(ids))]
+    deltas = [d for d in deltas if d is not None]
+    text, kept, cut = cut_at_stop(tok, ids, ("ce",))
+    result = progress.result
+    assert (result.text, result.token_ids) == (text, kept)
+    assert result.finish_reason == ("stop" if cut else "length") == deltas[-1].finish_reason
+    assert "".join(d.text for d in deltas) == text
+    assert [t for d in deltas for t in d.token_ids] == kept
+    sent, released = [], ""
+    for d in deltas:
+        sent += d.token_ids
+        released += d.text
+        # Every token handed out has all of its text out.
+        assert released.startswith(tok.decode(sent))
 
 
 def test_chat_renders_the_template_as_transformers_does(chat_model, tiny_chat):
