@@ -282,6 +282,8 @@ def test_a_host_pack_round_trips_every_dtype_through_a_jit():
         e=np.uint32(4_000_000_000),
         f=np.bool_(True),
         g=rng.integers(0, 2**32, (4, 2), dtype=np.uint32),
+        # Not contiguous in C order.
+        h=rng.random((4, 3)).astype(np.float32).T,
     )
     pack = HostPack(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree))
     back = jax.jit(pack.unpack)(pack.pack(tree))

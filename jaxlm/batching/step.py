@@ -57,6 +57,15 @@ class Shape(NamedTuple):
         return f"chunk of {self.width}" + (f" x{self.chunks}" if self.chunks > 1 else "")
 
 
+def _zeros(shape, dtype=np.int32) -> np.ndarray:
+    """Zeros made without letting the GIL go. NumPy lets it go to zero more than 1 KiB, and its
+    copies of more than 500 values; taking it back beside a busy Python thread waits out the
+    switch interval (5 ms) each time (`docs/performance.md`, "The engine's thread and the
+    GIL")."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    return np.frombuffer(bytearray(size), dtype).reshape(shape)
+
+
 class HostPack:
     """A pytree of arrays of fixed shapes as one byte buffer: `pack` it on the host, `unpack` it
     inside the jitted function that takes `spec`."""
@@ -72,15 +81,18 @@ class HostPack:
         self.spec = jax.ShapeDtypeStruct((offset,), jnp.uint8)
 
     def pack(self, tree) -> np.ndarray:
-        buf = np.zeros(self.spec.shape, np.uint8)
+        # Copied through a memoryview, which keeps the GIL (see `_zeros`).
+        buf = bytearray(self.spec.shape[0])
+        view = memoryview(buf)
         leaves = jax.tree.leaves(tree)
         for (offset, shape, dtype), leaf in zip(self._fields, leaves, strict=True):
             data = np.asarray(leaf, dtype)
             if data.shape != shape:
                 raise ValueError(f"a field of shape {shape} got an array of {data.shape}")
-            data = data.reshape(-1).view(np.uint8)
-            buf[offset : offset + data.size] = data
-        return buf
+            view[offset : offset + data.nbytes] = np.ascontiguousarray(data.reshape(-1)).view(
+                np.uint8
+            )
+        return np.frombuffer(buf, np.uint8)
 
     def unpack(self, buf: jax.Array):
         leaves = []
@@ -140,8 +152,14 @@ class Steps:
             if drafts:
                 shapes.append(Shape(0, 0, drafts, self.narrow))
         self.layouts = {shape: HostPack(self._spec(shape)) for shape in shapes}
+        # A step's inputs where no row asks for them, made once.
         self._unseen = np.zeros((rows, vocab_size), bool)
         self._uncounted = np.zeros((rows, vocab_size), np.int32)
+        self._unbiased = (
+            np.full((rows, MAX_LOGIT_BIAS), vocab_size, np.int32),
+            np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+        )
+        self._unmasked = np.zeros((rows, self.mask_words), np.int32)
 
     @property
     def mask_words(self) -> int:
@@ -277,8 +295,7 @@ class Steps:
         rows, per_seq = self.rows, self.pages_per_seq
         seen, counts = self._unseen, self._uncounted
         penalties = {n: np.zeros((rows,), np.float32) for n in ("presence", "frequency")}
-        bias_ids = np.full((rows, MAX_LOGIT_BIAS), self.vocab_size, np.int32)
-        bias = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+        bias_ids, bias = self._unbiased
         decode = dict(
             input_ids=np.zeros((rows, 1), np.int32),
             positions=np.full((rows, 1), -1, np.int32),
@@ -321,20 +338,22 @@ class Steps:
                 if counts is self._uncounted:
                     counts = np.zeros_like(self._uncounted)
                 counts[r] = np.bincount(seq.output, minlength=self.vocab_size)
+            if req.logit_bias and bias is self._unbiased[1]:
+                bias_ids, bias = (a.copy() for a in self._unbiased)
             for j, (token, value) in enumerate(req.logit_bias):
                 bias_ids[r, j], bias[r, j] = token, value
         want = any(c.sample and c.seq.id in logprobs for c in batch.chunks)
         x = dict(decode=decode, params=params, keys=keys, generated=generated, seen=seen)
         x.update(penalties=penalties, counts=counts, bias_ids=bias_ids, bias=bias)
         x["masked"] = np.bool_(mask is not None)
-        x["mask"] = np.zeros((rows, self.mask_words), np.int32) if mask is None else mask
+        x["mask"] = self._unmasked if mask is None else mask
         x["logprobs"] = np.bool_(want)
         shape = self.shape(prefills)
         if shape.width:
             x["chunk"] = self._chunks(prefills, shape)
         else:
             x["steps"] = np.int32(batch.steps)
-            x["stops"] = np.zeros((rows, self.vocab_size), bool)
+            x["stops"] = _zeros((rows, self.vocab_size), bool)
             for c in batch.chunks:
                 x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
             if self.drafts and drafting:
@@ -350,7 +369,7 @@ class Steps:
         backoff (`SequenceState.draft_wait`, `draft_backoff`)."""
         rows = self.rows
         out = dict(
-            history=np.zeros((rows, self.pages_per_seq * self.page_size), np.int32),
+            history=_zeros((rows, self.pages_per_seq * self.page_size)),
             drafting=np.zeros((rows,), bool),
             **{n: np.zeros((rows,), np.int32) for n in ("limit", "wait", "backoff")},
         )
