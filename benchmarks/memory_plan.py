@@ -3,7 +3,7 @@
 For each cache size a child process builds the model (random weights of the model's config: the
 timings do not depend on the values), makes a plan of one row whose `max_seq_len` gives that
 cache, and then:
-1. runs the plan's donated decode step (`engine.decode_step`) and the same step jitted without
+1. runs the plan's donated decode step (`generator.decode_step`) and the same step jitted without
    donation, timing each;
 2. records the process's resident memory around each phase: the peak growth while the steps run
    against what XLA's memory analysis of that step predicts, and the whole process's peak growth
@@ -80,15 +80,15 @@ def measure(
     t = time.perf_counter()
     plan = jaxlm.plan(model, max_batch=1, max_seq_len=int(seq))
     plan_s = time.perf_counter() - t
-    engine = plan.engine
-    params = engine.params
+    generator = plan.generator
+    params = generator.params
     abstract = (
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
         plan.layout.abstract(),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     )
-    plain_jit = jax.jit(engine.decode_step.__wrapped__, keep_unused=True)
-    donated = engine.decode_step.lower(*abstract).compile()
+    plain_jit = jax.jit(generator.decode_step.__wrapped__, keep_unused=True)
+    donated = generator.decode_step.lower(*abstract).compile()
     plain = plain_jit.lower(*abstract).compile()
     memory = {
         "donated": ExecutableMemory.of("donated", donated),

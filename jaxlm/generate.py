@@ -183,9 +183,9 @@ def generate(
         return _result(tokenizer, req, tokens, counts, done)
     steps = GENERATE_NGRAM if drafts else GENERATE
     the_plan, chunk, x = _prepare(model, tokenizer, req, plan, steps, drafts)
-    engine = the_plan.engine
+    generator = the_plan.generator
     scratch = the_plan.step(steps[0], x["prompt"].shape[1], chunk)(
-        engine.params,
+        generator.params,
         the_plan.take(),
         x["prompt"],
         x["lengths"],
@@ -302,7 +302,7 @@ def _calls(
     masked = {} if constrained is None else {"mask": constrained.masks(rows, np.zeros(n, bool))}
     first = the_plan.step(steps[0], x["prompt"].shape[1], chunk)
     prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stops"])
-    scratch = first(the_plan.engine.params, the_plan.take(), *prompt, **masked)
+    scratch = first(the_plan.generator.params, the_plan.take(), *prompt, **masked)
     generated = 1
     while True:
         tokens, counts, done, start = _read_rows(scratch, n)
@@ -326,7 +326,7 @@ def _calls(
             masked = {"mask": constrained.masks(rows, done)}
         step = the_plan.step(steps[1])
         limit = np.int32(generated)
-        scratch = step(the_plan.engine.params, scratch, x["params"], x["stops"], limit, **masked)
+        scratch = step(the_plan.generator.params, scratch, x["params"], x["stops"], limit, **masked)
 
 
 # `chat` takes a `stream` argument, which hides the function of that name inside it.

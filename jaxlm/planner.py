@@ -13,15 +13,15 @@ from flax import nnx
 
 from jaxlm.batching.plan import plan_engine
 from jaxlm.bill import Bill
-from jaxlm.engine import (
+from jaxlm.errors import PlanError
+from jaxlm.generator import (
     DEFAULT_PREFILL_CHUNK,
-    Engine,
+    Generator,
     compile_steps,
-    engine_of,
+    generator_of,
     page_count,
     weights_bytes,
 )
-from jaxlm.errors import PlanError
 from jaxlm.memory import (
     ExecutableMemory,
     Layout,
@@ -33,8 +33,8 @@ from jaxlm.memory import (
 from jaxlm.ops import platform, storage_dtype
 from jaxlm.speculative import drafts_of
 
-# `plan(budget=)` sizes `max_seq_len` in pages of this many tokens.
-PAGE = 256
+# `plan(budget=)` sizes `max_seq_len` in steps of this many tokens.
+SEQ_STEP = 256
 
 
 def _settled_resident_bytes() -> int | None:
@@ -68,7 +68,7 @@ class Plan(Bill):
 
     def __init__(
         self,
-        engine: Engine,
+        generator: Generator,
         layout: Layout,
         prefill_chunk: int,
         weights: int,
@@ -77,7 +77,7 @@ class Plan(Bill):
         num_speculative_tokens: int,
         executables_host_bytes: int | None = None,
     ):
-        self.engine = engine
+        self.generator = generator
         self.layout = layout
         self.max_batch = layout.dims["batch"]
         self.max_seq_len = layout.dims["seq"]
@@ -88,18 +88,18 @@ class Plan(Bill):
         self.executables = {name: ExecutableMemory.of(name, c) for name, c in compiled.items()}
         self.budget = budget
         self.executables_host_bytes = executables_host_bytes
-        self.mesh = engine.partitioner.mesh if engine.partitioner else None
+        self.mesh = generator.partitioner.mesh if generator.partitioner else None
         self._pool: list[dict] = []
         self.pooling = True
         self._pool_lock = threading.Lock()
         self._ran = False
 
     @classmethod
-    def build(cls, engine, model, max_batch, max_seq_len, chunk, budget, steps, drafts) -> Plan:
-        layout = _layout(engine, engine.declarations(model), max_batch, max_seq_len)
+    def build(cls, generator, model, max_batch, max_seq_len, chunk, budget, steps, drafts) -> Plan:
+        layout = _layout(generator, generator.declarations(model), max_batch, max_seq_len)
         before = _settled_resident_bytes()
-        compiled = compile_steps(engine, layout, chunk, steps, drafts)
-        plan = cls(engine, layout, chunk, weights_bytes(model), compiled, budget, drafts)
+        compiled = compile_steps(generator, layout, chunk, steps, drafts)
+        plan = cls(generator, layout, chunk, weights_bytes(model), compiled, budget, drafts)
         # The steps were traced by jitted functions of their own, which die in reference
         # cycles; collecting them frees their traces. Reading XLA's memory analysis frees heap,
         # which the settling returns too.
@@ -176,7 +176,7 @@ class Plan(Bill):
     def step(self, name: str, prompt_len: int | None = None, chunk: int | None = None):
         """The executable of step `name` (one of `jaxlm.plan`'s `steps`) for prompts of
         `prompt_len` tokens run in chunks of `chunk`: the plan's own if it compiled that step
-        for those shapes, otherwise the engine's jitted step, compiled on first use.
+        for those shapes, otherwise the generator's jitted step, compiled on first use.
 
         The plan's executable is the one its bill accounts for, and calling it skips the trace
         that a call through the jitted step would make again.
@@ -186,9 +186,9 @@ class Plan(Bill):
             return self.compiled[name]
         drafts = {"drafts": self.num_speculative_tokens} if name.endswith("_ngram") else {}
         if decode:
-            step = self.engine.decode_ngram if drafts else self.engine.decode_loop
+            step = self.generator.decode_ngram if drafts else self.generator.decode_loop
             return functools.partial(step, **drafts)
-        step = getattr(self.engine, name.removesuffix("_masked"))
+        step = getattr(self.generator, name.removesuffix("_masked"))
         return functools.partial(step, chunk=chunk, **drafts)
 
     def ran(self) -> None:
@@ -230,8 +230,8 @@ class Plan(Bill):
         if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t:
             raise ValueError(f"`lengths` must be {b} values in [1, {t}], got {lengths.tolist()}")
         self.layout.check(scratch)
-        scratch, logits = self.engine.prefill_step(
-            self.engine.params, scratch, self._pad_rows(prompt, 0), self._pad_rows(lengths, 1)
+        scratch, logits = self.generator.prefill_step(
+            self.generator.params, scratch, self._pad_rows(prompt, 0), self._pad_rows(lengths, 1)
         )
         return scratch, logits[:b]
 
@@ -245,8 +245,8 @@ class Plan(Bill):
         index = int(scratch["decode"]["index"])
         if index >= self.max_seq_len:
             raise PlanError(f"the cache is full: `max_seq_len={self.max_seq_len}` tokens")
-        scratch, logits = self.engine.decode_step(
-            self.engine.params, scratch, self._pad_rows(tokens, 0)
+        scratch, logits = self.generator.decode_step(
+            self.generator.params, scratch, self._pad_rows(tokens, 0)
         )
         return scratch, logits[: tokens.shape[0]]
 
@@ -255,7 +255,7 @@ class Plan(Bill):
     def _header(self) -> str:
         return (
             f"Plan: max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
-            f"prefill_chunk={self.prefill_chunk}, {self._where(self.engine.partitioner)}"
+            f"prefill_chunk={self.prefill_chunk}, {self._where(self.generator.partitioner)}"
         )
 
     def _extra_totals(self) -> list[tuple[str, str]]:
@@ -373,48 +373,50 @@ def plan(
     limit = parse_bytes(budget) if budget is not None else None
     if max_seq_len is None and limit is None:
         raise ValueError("give `max_seq_len`, `budget`, or both")
-    engine = engine_of(model)
+    generator = generator_of(model)
 
     def key(seq: int) -> tuple:
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)
         return max_batch, seq, chunk, tuple(steps), drafts
 
     def make(seq: int) -> Plan:
-        built = Plan.build(engine, model, max_batch, seq, key(seq)[2], limit, steps, drafts)
-        engine.bills[key(seq)] = built.total_bytes
+        built = Plan.build(generator, model, max_batch, seq, key(seq)[2], limit, steps, drafts)
+        generator.bills[key(seq)] = built.total_bytes
         return built
 
     def known() -> list[tuple[int, int]]:
         # `(pages, bill)` of the plans of whole pages built before with these rows and steps.
-        built = list(engine.bills.items())
-        return [(k[1] // PAGE, bill) for k, bill in built if k == key(k[1]) and k[1] % PAGE == 0]
+        built = list(generator.bills.items())
+        return [
+            (k[1] // SEQ_STEP, bill) for k, bill in built if k == key(k[1]) and k[1] % SEQ_STEP == 0
+        ]
 
     def floor(seq: int) -> int:
         # Weights and scratch, known without compiling: a lower bound of the bill.
-        return weights_bytes(model) + _layout(engine, decls, max_batch, seq).device_nbytes
+        return weights_bytes(model) + _layout(generator, decls, max_batch, seq).device_nbytes
 
-    decls = engine.declarations(model)
-    if engine.partitioner is not None:
-        engine.partitioner.check_batch(max_batch)
+    decls = generator.declarations(model)
+    if generator.partitioner is not None:
+        generator.partitioner.check_batch(max_batch)
     if max_seq_len is not None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
         p = make(max_seq_len)
         if limit is not None and p.total_bytes > limit:
-            fitted = _fit(make, floor, limit, engine.config, known())
+            fitted = _fit(make, floor, limit, generator.config, known())
             raise PlanError(p.over_budget_message(limit, fitted))
         return p
-    best = _fit(make, floor, limit, engine.config, known())
+    best = _fit(make, floor, limit, generator.config, known())
     if best is None:
-        raise PlanError(make(PAGE).over_budget_message(limit, None))
+        raise PlanError(make(SEQ_STEP).over_budget_message(limit, None))
     return best
 
 
-def _layout(engine: Engine, decls, batch: int, seq: int) -> Layout:
+def _layout(generator: Generator, decls, batch: int, seq: int) -> Layout:
     """The slots of a plan of `batch` rows of `seq` tokens, each row in pages of its own."""
     num_pages, page_size = page_count(batch, seq)
     dims = {"batch": batch, "seq": seq, "num_pages": num_pages, "page_size": page_size}
-    return Layout.build(decls, dims, storage_dtype, engine.partitioner)
+    return Layout.build(decls, dims, storage_dtype, generator.partitioner)
 
 
 def _fit(make, floor, limit: int, config, known=()) -> object | None:
@@ -438,10 +440,10 @@ def _fit(make, floor, limit: int, config, known=()) -> object | None:
         lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if floor(mid * PAGE) + extra(mid) <= limit else (lo, mid - 1)
+            lo, hi = (mid, hi) if floor(mid * SEQ_STEP) + extra(mid) <= limit else (lo, mid - 1)
         return lo
 
-    top = most_pages(max(1, -(-config.max_position_embeddings // PAGE)), lambda pages: 0)
+    top = most_pages(max(1, -(-config.max_position_embeddings // SEQ_STEP)), lambda pages: 0)
     if top < 1:
         return None
     # `lo` pages fit (0: none known to), more than `hi` do not; (pages, temporaries) of the
@@ -450,7 +452,7 @@ def _fit(make, floor, limit: int, config, known=()) -> object | None:
 
     def learn(pages: int, bill: int) -> None:
         nonlocal lo, hi
-        temporaries = bill - floor(pages * PAGE)
+        temporaries = bill - floor(pages * SEQ_STEP)
         seen.append((pages, temporaries))
         if bill <= limit:
             lo = max(lo, pages)
@@ -462,7 +464,7 @@ def _fit(make, floor, limit: int, config, known=()) -> object | None:
         if 1 <= pages <= top:
             learn(pages, bill)
     if hi == top and lo < top:
-        best = make(top * PAGE)
+        best = make(top * SEQ_STEP)
         if best.total_bytes <= limit:
             return best
         learn(top, best.total_bytes)
@@ -478,8 +480,8 @@ def _fit(make, floor, limit: int, config, known=()) -> object | None:
         guess = most_pages(hi, line) if guesses < 3 else (lo + hi + 1) // 2
         guesses += 1
         probe = min(hi, max(lo + 1, guess))
-        candidate = make(probe * PAGE)
+        candidate = make(probe * SEQ_STEP)
         learn(probe, candidate.total_bytes)
         best = candidate if candidate.total_bytes <= limit else best
     # A plan compiled last fitted with `lo` pages; without one, `lo` is a bill known before.
-    return best if best is not None or not lo else make(lo * PAGE)
+    return best if best is not None or not lo else make(lo * SEQ_STEP)

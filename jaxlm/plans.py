@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jaxlm.engine import DEFAULT_PREFILL_CHUNK, engine_of
 from jaxlm.errors import PlanError
+from jaxlm.generator import DEFAULT_PREFILL_CHUNK, generator_of
 from jaxlm.planner import Plan, plan
 from jaxlm.requests import Request, SamplingParams
 
@@ -74,7 +74,7 @@ def shapes(
 
 
 def data_devices(model) -> int:
-    partitioner = engine_of(model).partitioner
+    partitioner = generator_of(model).partitioner
     return partitioner.data if partitioner is not None else 1
 
 
@@ -102,7 +102,7 @@ def plan_for(
     """The plan of a request's shapes: `given`, else the one kept for them, made if none is;
     `drafts` are the tokens a step of the `_ngram` steps drafts."""
     if given is not None:
-        if given.engine is not engine_of(model):
+        if given.generator is not generator_of(model):
             raise PlanError("`plan` was made for another model")
         if drafts and given.num_speculative_tokens != drafts:
             raise PlanError(
@@ -110,12 +110,12 @@ def plan_for(
                 f"{given.num_speculative_tokens}"
             )
         return given
-    engine = engine_of(model)
+    generator = generator_of(model)
     # The plan compiles the steps of this request for exactly its prompt bucket, so the
     # executables it accounts for are the ones the request runs.
     key = (batch, p, seq, steps, drafts)
     with _PLAN_LOCK:
-        plans = engine.plans
+        plans = generator.plans
         the_plan = plans.pop(key, None)
         if the_plan is None:
             the_plan = plan(
@@ -150,18 +150,18 @@ class GenerationPlans:
         >>> plans.clear()                # the next call plans again
     """
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, generator):
+        self._generator = generator
 
     def _plans(self) -> list[Plan]:
         with _PLAN_LOCK:
-            return list(self._engine.plans.values())[::-1]
+            return list(self._generator.plans.values())[::-1]
 
     def __iter__(self) -> Iterator[Plan]:
         return iter(self._plans())
 
     def __len__(self) -> int:
-        return len(self._engine.plans)
+        return len(self._generator.plans)
 
     def __getitem__(self, i: int) -> Plan:
         return self._plans()[i]
@@ -169,9 +169,9 @@ class GenerationPlans:
     def clear(self) -> None:
         """Drop every plan, its executables and its scratch (requests running keep theirs)."""
         with _PLAN_LOCK:
-            for p in self._engine.plans.values():
+            for p in self._generator.plans.values():
                 p.release()
-            self._engine.plans.clear()
+            self._generator.plans.clear()
 
     def __repr__(self) -> str:
         rows = [f"  {p!r}" + (", holds its scratch" if p.pooled else "") for p in self._plans()]
@@ -182,7 +182,7 @@ class GenerationPlans:
 
 def plans_of(model) -> GenerationPlans:
     """The plans `generate`, `stream` and `chat` keep for `model`; see `GenerationPlans`."""
-    return GenerationPlans(engine_of(model))
+    return GenerationPlans(generator_of(model))
 
 
 def request_plan(

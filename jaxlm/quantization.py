@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import engine, ops
+from jaxlm import generator, ops
 from jaxlm.kernels import int4
 from jaxlm.layers import Embedding, Linear
 
@@ -97,7 +97,7 @@ def quantize(model: nnx.Module, mode: str = "int8") -> nnx.Module:
         module.weight = nnx.Param(q, axes=axes)
         module.scale = nnx.Param(scale, axes=scale_axes)
     # `generate` runs the quantized weights from now on, and the float ones can go.
-    engine.forget(model)
+    generator.forget(model)
     return model
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxlm.batching.sampled import TOP_LOGPROBS
-from jaxlm.engine import SAMPLING_FIELDS, STOP_IDS_BUCKET
+from jaxlm.generator import SAMPLING_FIELDS, STOP_IDS_BUCKET
 
 
 def _per_row(name: str, value, n: int, default, dtype, check, limit: str) -> np.ndarray:

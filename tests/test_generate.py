@@ -142,8 +142,8 @@ def test_sampling_changes_compile_nothing(tiny_llama):
 def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
     model, _ = jaxlm.load(tiny_llama[0])
     jaxlm.generate(model, None, PROMPTS, max_new_tokens=6)
-    engine = jaxlm.engine.engine_of(model)
-    plan = engine.plans[(4, 16, 32, ("generate",), 0)]
+    generator = jaxlm.generator.generator_of(model)
+    plan = generator.plans[(4, 16, 32, ("generate",), 0)]
     assert list(plan.compiled) == ["generate"]
     assert " while(" in plan.compiled["generate"].as_text()
     calls = []
@@ -156,7 +156,7 @@ def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
         return counted
 
     for name in ("prefill_step", "decode_step", "start", "decode_loop", "generate"):
-        monkeypatch.setattr(engine, name, counter(getattr(engine, name), f"engine.{name}"))
+        monkeypatch.setattr(generator, name, counter(getattr(generator, name), f"generator.{name}"))
     monkeypatch.setitem(plan.compiled, "generate", counter(plan.compiled["generate"], "plan"))
     jaxlm.generate(model, None, PROMPTS, max_new_tokens=6, temperature=0.7)
     # One call, to the executable the plan compiled and accounted for.

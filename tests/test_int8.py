@@ -18,7 +18,7 @@ from test_gguf import TINY, random_blocks, tiny_llama_tensors, write_gguf
 import jaxlm
 from jaxlm import ops
 from jaxlm.bench.quality import QUALITY_TEXT, divergence
-from jaxlm.engine import weights_bytes
+from jaxlm.generator import weights_bytes
 from jaxlm.loading import checkpoint_tensors
 from jaxlm.models import model_class
 

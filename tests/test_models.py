@@ -128,10 +128,10 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
     config = ModelConfig.from_hf_config(make_hf_model(tmp_path, "llama_gqa4").config.to_dict())
     model = LlamaForCausalLM.abstract(config)
     plan = jaxlm.plan(model, max_batch=1, max_seq_len=16, steps=("decode",))
-    engine = plan.engine
-    x = engine.abstract_inputs(1, 4)
-    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), engine.params)
-    jaxpr = engine.decode_loop.trace(
+    generator = plan.generator
+    x = generator.abstract_inputs(1, 4)
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), generator.params)
+    jaxpr = generator.decode_loop.trace(
         params, plan.layout.abstract(), x["params"], x["stops"], x["limit"]
     ).jaxpr
 

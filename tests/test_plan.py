@@ -133,8 +133,8 @@ def test_xla_aliases_all_scratch_and_copies_no_cache(tiny, batch):
     plan = jaxlm.plan(tiny, max_batch=batch, max_seq_len=seq)
     for name, stats in plan.executables.items():
         assert stats.alias == plan.scratch_bytes, name
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.engine.params)
-    step = plan.engine.decode_step.lower(
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.generator.params)
+    step = plan.generator.decode_step.lower(
         abstract, plan.layout.abstract(), jax.ShapeDtypeStruct((batch,), jnp.int32)
     ).compile()
     assert step.memory_analysis().alias_size_in_bytes == plan.scratch_bytes
@@ -364,10 +364,10 @@ def test_bfloat16_prefill_attends_without_converting_the_cache(tmp_path):
     model, _ = jaxlm.load(tmp_path, dtype=jnp.bfloat16)
     # Its layout is all this takes of the plan.
     plan = jaxlm.plan(model, max_batch=1, max_seq_len=32, steps=("decode",))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.engine.params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.generator.params)
     sds = jax.ShapeDtypeStruct
     hlo = (
-        plan.engine.prefill_step.lower(
+        plan.generator.prefill_step.lower(
             abstract, plan.layout.abstract(), sds((1, 16), jnp.int32), sds((1,), jnp.int32)
         )
         .compile()
@@ -404,22 +404,22 @@ def test_bfloat16_caches_are_not_copied_when_attention_reads_part_of_them(tmp_pa
 )
 def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, temporaries, limit):
     # Bills that grow with the pages, as XLA's temporaries may, against a search of every size.
-    from jaxlm.planner import PAGE, _fit
+    from jaxlm.planner import SEQ_STEP, _fit
 
     extra = list(itertools.accumulate(temporaries))  # non-decreasing
     pages = len(extra)
     config = ModelConfig.from_hf_config(dict(BASE, model_type="llama"))
-    config = dataclasses.replace(config, max_position_embeddings=pages * PAGE)
+    config = dataclasses.replace(config, max_position_embeddings=pages * SEQ_STEP)
 
     def floor(seq):
-        return weights + per_page * (seq // PAGE)
+        return weights + per_page * (seq // SEQ_STEP)
 
     def make(seq):
-        return types.SimpleNamespace(seq=seq, total_bytes=floor(seq) + extra[seq // PAGE - 1])
+        return types.SimpleNamespace(seq=seq, total_bytes=floor(seq) + extra[seq // SEQ_STEP - 1])
 
-    fitting = [n for n in range(1, pages + 1) if make(n * PAGE).total_bytes <= limit]
+    fitting = [n for n in range(1, pages + 1) if make(n * SEQ_STEP).total_bytes <= limit]
     best = _fit(make, floor, limit, config)
-    assert (best and best.seq) == (max(fitting) * PAGE if fitting else None)
+    assert (best and best.seq) == (max(fitting) * SEQ_STEP if fitting else None)
 
 
 @settings(max_examples=200, deadline=None)
@@ -432,25 +432,25 @@ def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, tempo
 def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base, known):
     # Any bill that never shrinks as the pages grow: weights and scratch of 10 a page, and
     # temporaries growing by steps drawn at random (flat, linear or neither).
-    from jaxlm.planner import PAGE, _fit
+    from jaxlm.planner import SEQ_STEP, _fit
 
     temporaries = list(itertools.accumulate(growth, initial=base))
-    floor = lambda seq: 10 * (seq // PAGE)
+    floor = lambda seq: 10 * (seq // SEQ_STEP)
     compiled = []
 
     def make(seq):
         compiled.append(seq)
-        return types.SimpleNamespace(total_bytes=floor(seq) + temporaries[seq // PAGE], seq=seq)
+        return types.SimpleNamespace(total_bytes=floor(seq) + temporaries[seq // SEQ_STEP], seq=seq)
 
-    config = types.SimpleNamespace(max_position_embeddings=64 * PAGE)
+    config = types.SimpleNamespace(max_position_embeddings=64 * SEQ_STEP)
     fitted = _fit(make, floor, limit, config)
-    fits = [p for p in range(1, 65) if floor(p * PAGE) + temporaries[p] <= limit]
-    assert (fitted and fitted.seq) == (max(fits) * PAGE if fits else None)
+    fits = [p for p in range(1, 65) if floor(p * SEQ_STEP) + temporaries[p] <= limit]
+    assert (fitted and fitted.seq) == (max(fits) * SEQ_STEP if fits else None)
     # Three guesses, then a bisection of what is left.
     assert len(compiled) <= 1 + 3 + 6
     # Bills of plans built before (a plan of the same sizes, a budget before) lead to the same
     # plan, with no more compilations.
-    bills = [(p, floor(p * PAGE) + temporaries[p]) for p in known]
+    bills = [(p, floor(p * SEQ_STEP) + temporaries[p]) for p in known]
     compiled.clear()
     again = _fit(make, floor, limit, config, bills)
     assert (again and again.seq) == (fitted and fitted.seq)

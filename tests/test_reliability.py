@@ -110,7 +110,7 @@ class Chat:
             assert [t for d in deltas for t in d.token_ids] == tokens
 
     def pools(self):
-        return [plan._pool for plan in jaxlm.engine.engine_of(self.model).plans.values()]
+        return [plan._pool for plan in jaxlm.generator.generator_of(self.model).plans.values()]
 
 
 @pytest.fixture(scope="module")

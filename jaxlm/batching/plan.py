@@ -15,8 +15,8 @@ from flax import nnx
 
 from jaxlm.batching import step
 from jaxlm.bill import Bill
-from jaxlm.engine import weights_bytes
 from jaxlm.errors import PlanError
+from jaxlm.generator import weights_bytes
 from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, parse_bytes
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int

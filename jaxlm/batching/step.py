@@ -32,7 +32,7 @@ from flax import nnx
 from jaxlm.batching.drafting import decode_with_drafts
 from jaxlm.batching.sampled import PACKED, pack, sample
 from jaxlm.batching.scheduler import Batch
-from jaxlm.engine import SAMPLING_FIELDS, compile_side_by_side
+from jaxlm.generator import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import MAX_LOGIT_BIAS, Request
 
 _SAMPLING_DTYPES = {"top_k": np.int32}

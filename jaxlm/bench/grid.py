@@ -160,7 +160,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
 
     import jaxlm
-    from jaxlm.engine import weights_bytes
+    from jaxlm.generator import weights_bytes
     from jaxlm.loading import default_model_path
 
     # The baseline is the process once JAX is up: its CPU backend started and one executable

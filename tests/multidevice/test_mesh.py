@@ -135,9 +135,9 @@ def test_arrays_have_the_planned_sharding_and_bytes(saved):
     assert {s.data.shape for s in k.addressable_shards} == {(1, 1, 8, 32)}
     assert plan.kv_cache_bytes == 2 * 2 * 1024
     assert set(_by_device(scratch).values()) == {plan.scratch_bytes}
-    assert set(_by_device(jax.tree.leaves(plan.engine.params)).values()) == {plan.weights_bytes}
+    assert set(_by_device(jax.tree.leaves(plan.generator.params)).values()) == {plan.weights_bytes}
     # Weights split 4 ways hold less than a whole copy per device.
-    single = sum(x.nbytes for x in jax.tree.leaves(plan.engine.params))
+    single = sum(x.nbytes for x in jax.tree.leaves(plan.generator.params))
     assert plan.weights_bytes < single
     assert "mesh data=2 x model=2" in str(plan)
 

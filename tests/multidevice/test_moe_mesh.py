@@ -56,12 +56,12 @@ def test_experts_split_over_model_and_compute_as_on_one_device(saved):
     # compiled for the two prompts, loaded from the compilation cache.
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=32, prefill_chunk=16, steps=("generate",))
     held = {}
-    for x in jax.tree.leaves(plan.engine.params):
+    for x in jax.tree.leaves(plan.generator.params):
         for shard in x.addressable_shards:
             held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     assert set(held.values()) == {plan.weights_bytes}
     expert_bytes = 2 * 8 * 3 * 32 * 64 * 4
-    assert plan.weights_bytes <= sum(x.nbytes for x in jax.tree.leaves(plan.engine.params)) - (
+    assert plan.weights_bytes <= sum(x.nbytes for x in jax.tree.leaves(plan.generator.params)) - (
         expert_bytes * 3 // 4
     )
 

@@ -298,7 +298,7 @@ def decode_loop_ngram(model, scratch, params, stop, limit, drafts):
     return jax.lax.while_loop(lambda c: _running(c[0], limit), body, c)[0]
 
 
-class Engine:
+class Generator:
     """Jitted steps of one model; shared by every plan of that model."""
 
     def __init__(self, model: nnx.Module):
@@ -418,25 +418,25 @@ _STEP_FUNCTIONS = {
     "decode_ngram": (decode_loop_ngram, ("drafts",)),
 }
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ENGINES_LOCK = threading.Lock()
+_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GENERATORS_LOCK = threading.Lock()
 
 
-def engine_of(model: nnx.Module) -> Engine:
-    """The engine of `model`, made once per model object, also when threads ask at once."""
-    with _ENGINES_LOCK:
-        engine = _ENGINES.get(model)
-        if engine is None:
-            engine = _ENGINES[model] = Engine(model)
-    return engine
+def generator_of(model: nnx.Module) -> Generator:
+    """The generator of `model`, made once per model object, also when threads ask at once."""
+    with _GENERATORS_LOCK:
+        generator = _GENERATORS.get(model)
+        if generator is None:
+            generator = _GENERATORS[model] = Generator(model)
+    return generator
 
 
 def forget(model: nnx.Module) -> None:
-    """Drop the engine of `model`, with its plans and their scratch: for a model whose structure
+    """Drop the generator of `model`, with its plans and their scratch: for a model whose structure
     changed in place (`jaxlm.quantize`), whose steps no longer fit it. New weights in the same
-    variables (`nnx.update`) need nothing: the engine's parameters are the model's variables."""
-    with _ENGINES_LOCK:
-        _ENGINES.pop(model, None)
+    variables (`nnx.update`) need nothing: the generator's parameters are the model's variables."""
+    with _GENERATORS_LOCK:
+        _GENERATORS.pop(model, None)
 
 
 def weights_bytes(model: nnx.Module) -> int:
@@ -445,18 +445,18 @@ def weights_bytes(model: nnx.Module) -> int:
 
 
 def compile_steps(
-    engine: Engine, layout: Layout, chunk: int, steps: tuple[str, ...], drafts: int
+    generator: Generator, layout: Layout, chunk: int, steps: tuple[str, ...], drafts: int
 ) -> dict:
     """Compile `steps` for a plan's shapes, those with drafts for `drafts` tokens a step,
     without allocating anything."""
-    sharded = engine.partitioner is not None
+    sharded = generator.partitioner is not None
     params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None),
-        engine.params,
+        generator.params,
     )
     scratch = layout.abstract()
     batch = layout.dims["batch"]
-    x = engine.abstract_inputs(batch, chunk)
+    x = generator.abstract_inputs(batch, chunk)
     # The prompt's arguments, as `generate` and `start` both take them.
     prompt = (x["prompt"], x["lengths"], x["rng"], x["params"], x["stops"])
     arguments = {
@@ -476,7 +476,7 @@ def compile_steps(
     lowered = {}
     for name in steps:
         args, kwargs = arguments[name]
-        lowered[name] = engine.jitted(name).lower(*args, **kwargs)
+        lowered[name] = generator.jitted(name).lower(*args, **kwargs)
     return compile_side_by_side(lowered)
 
 
