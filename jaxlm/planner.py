@@ -31,7 +31,7 @@ from jaxlm.memory import (
     resident_bytes,
 )
 from jaxlm.ops import platform, storage_dtype
-from jaxlm.speculative import drafts_of
+from jaxlm.speculative import check_weights, drafts_of
 
 # `plan(budget=)` sizes `max_seq_len` in steps of this many tokens.
 SEQ_STEP = 256
@@ -368,6 +368,8 @@ def plan(
             'such as "generate_ngram"'
         )
     drafts = drafts_of("ngram", num_speculative_tokens)
+    if drafting:
+        check_weights(model)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"`max_batch` must be a positive integer, got {max_batch!r}")
     limit = parse_bytes(budget) if budget is not None else None

@@ -14,8 +14,10 @@ weights bounds a step (see `docs/performance.md`, "Speculative decoding").
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 # The ways `generate` and `LLMEngine` draft (their `speculative=`).
 METHODS = ("ngram",)
@@ -47,6 +49,18 @@ def drafts_of(speculative, num_speculative_tokens=None) -> int:
             f"`num_speculative_tokens` must be an integer from 1 to {MAX_DRAFT}, got {n!r}"
         )
     return int(n)
+
+
+def check_weights(model) -> None:
+    """Refuse drafts for a model with 4-bit weights (uint8, `jaxlm.kernels.int4`): a step that
+    verifies drafts runs a chunk where plain decoding runs one token, their logits differ in the
+    last bits, and rounding each activation to one int8 digit makes that up to a whole logit,
+    so the drafts would change the tokens (`docs/performance.md`, "Speculative decoding")."""
+    if any(x.dtype == jnp.uint8 for x in jax.tree.leaves(nnx.state(model))):
+        raise ValueError(
+            "`speculative` keeps the tokens of plain decoding with float or int8 weights; this "
+            'model has 4-bit weights (`quantize="int4"`), where drafts would change them'
+        )
 
 
 def propose(tokens, start, index, draft: int):

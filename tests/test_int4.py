@@ -97,6 +97,19 @@ def test_a_decode_step_holds_no_unpacked_copy_of_a_weight(default_models, batch)
         assert int4_temp < 0.05 * int4_weights, (int4_temp, int4_weights)
 
 
+def test_drafts_are_refused_on_4_bit_weights(default_models):
+    # A chunk that verifies drafts and a single decode step differ in their last bits, which
+    # activations rounded to one int8 digit make up to a logit: drafts would change the tokens.
+    _, quantized, tokenizer = default_models
+    refused = "`speculative` keeps the tokens of plain decoding with float or int8 weights"
+    with pytest.raises(ValueError, match=refused):
+        jaxlm.generate(quantized, tokenizer, "Hi", max_new_tokens=4, speculative="ngram")
+    with pytest.raises(ValueError, match=refused):
+        jaxlm.plan(quantized, max_seq_len=64, steps=("generate_ngram",))
+    with pytest.raises(ValueError, match=refused):
+        jaxlm.LLMEngine(quantized, tokenizer, num_pages=8, speculative="ngram")
+
+
 def test_the_plan_bills_the_packed_bytes():
     config = jaxlm.ModelConfig.from_hf_config(
         dict(

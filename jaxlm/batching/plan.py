@@ -21,7 +21,7 @@ from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, p
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int
 from jaxlm.sharding import Partitioner, mesh_of
-from jaxlm.speculative import drafts_of
+from jaxlm.speculative import check_weights, drafts_of
 
 # Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.
 MIN_PAGES = 2
@@ -107,6 +107,8 @@ def plan_engine(
 ) -> EnginePlan:
     """The plan of an engine of `max_num_seqs` sequences; see `jaxlm.plan`."""
     drafts = drafts_of(speculative, num_speculative_tokens)
+    if drafts:
+        check_weights(model)
     page_size = 16 if page_size is None else page_size
     max_num_batched_tokens = 256 if max_num_batched_tokens is None else max_num_batched_tokens
     decode_steps = 4 if decode_steps is None else decode_steps
