@@ -60,8 +60,7 @@ class Shape(NamedTuple):
 def _zeros(shape, dtype=np.int32) -> np.ndarray:
     """Zeros made without letting the GIL go. NumPy lets it go to zero more than 1 KiB, and its
     copies of more than 500 values; taking it back beside a busy Python thread waits out the
-    switch interval (5 ms) each time (`docs/performance.md`, "The engine's thread and the
-    GIL")."""
+    switch interval each time (`docs/performance.md`, "The engine's thread and the GIL")."""
     size = math.prod(shape) * np.dtype(dtype).itemsize
     return np.frombuffer(bytearray(size), dtype).reshape(shape)
 
