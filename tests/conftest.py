@@ -36,8 +36,13 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # XLA:CPU's LLVM optimizations take about a third of compiling and only make the machine code
 # faster: what XLA computes, its buffers and their aliasing are settled before them, and no
-# test times anything. The child processes (notebooks, the command line) inherit the flags.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# test times anything. Its older fusion emitters compile a two-layer model's steps in 0.4 of
+# the time of the new ones, for the same tokens (`docs/performance.md`, "The test suite's
+# compiling"). The child processes (notebooks, the command line) inherit the flags.
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+    "--xla_cpu_use_fusion_emitters=false"
+)
 if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
