@@ -32,6 +32,12 @@ PREFILL_CHUNK = 16
 STREAM_CHUNK = 5
 # Seconds without heartbeats after which JAX's coordination service declares a process dead.
 HEARTBEAT_TIMEOUT = 10
+# The engine's layout, sizes and requests: more requests than slots, so that some join while
+# others run, and prompts of several chunks.
+ENGINE_LAYOUT = "model across processes"
+ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=48, max_num_batched_tokens=16)
+ENGINE_TOKENS = [12, 5, 9, 12, 7, 3, 10, 6]
+LONG_PROMPT = "The old bridge over the river was closed for repairs in May, " * 2
 
 
 def _bill(plan) -> dict:
@@ -78,6 +84,38 @@ def _layout(path: str, shape: tuple[int, int]) -> tuple[dict, object, object, ob
     return result, model, tokenizer, plan
 
 
+def _engine(model, tokenizer) -> dict:
+    """The engine's requests on this process: process 0 submits them (and cancels one more at
+    once), the others follow; the token ids in submission order, or, where this process
+    follows, in the order its requests finished."""
+    with jaxlm.LLMEngine(model, tokenizer, **ENGINE) as engine:
+        if jax.process_index() == 0:
+            prompts = [*PROMPTS, LONG_PROMPT] * 2
+            handles = [
+                engine.submit(p, max_new_tokens=n, stop_token_ids=[])
+                for p, n in zip(prompts, ENGINE_TOKENS, strict=False)
+            ]
+            engine.submit(LONG_PROMPT, max_new_tokens=8, stop_token_ids=[]).cancel()
+            outputs = [h.result() for h in handles]
+            cancelled, refused = [], None
+        else:
+            try:
+                engine.submit(LONG_PROMPT, max_new_tokens=8)
+            except RuntimeError as error:
+                refused = str(error)
+            followed = list(engine.follow())
+            outputs = [o for o in followed if o.finish_reason != "cancelled"]
+            cancelled = [o for o in followed if o.finish_reason == "cancelled"]
+        stats = engine.stats()
+    return {
+        "token_ids": [o.token_ids for o in outputs],
+        "cancelled": len(cancelled),
+        "refused": refused,
+        "pages_in_use": stats.pages_in_use,
+        "finished": stats.finished,
+    }
+
+
 def main(path: str, out_file: str, processes: int, process_id: int, port: int) -> None:
     if processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -93,6 +131,8 @@ def main(path: str, out_file: str, processes: int, process_id: int, port: int) -
     results = {}
     for name, shape in LAYOUTS.items():
         results[name], model, tokenizer, plan = _layout(path, shape)
+        if name == ENGINE_LAYOUT:
+            results[name]["engine"] = _engine(model, tokenizer)
     if processes == 1:
         model, tokenizer = jaxlm.load(path, progress=False)
         out = jaxlm.generate(
@@ -101,6 +141,7 @@ def main(path: str, out_file: str, processes: int, process_id: int, port: int) -
         results["one device"] = {
             "token_ids": [o.token_ids for o in out],
             "texts": [o.text for o in out],
+            "engine": _engine(model, tokenizer),
         }
     partial = Path(f"{out_file}.partial")
     partial.write_text(json.dumps(results))

@@ -253,6 +253,9 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
             engine.submit([[1, 2], [3]], max_new_tokens=4)
         with pytest.raises(ValueError, match=r'needs an engine that verifies drafts: .*"ngram"'):
             engine.submit([1, 2], max_new_tokens=4, speculative="ngram")
+        # One process serves: `follow` is for the others of a mesh across processes.
+        with pytest.raises(RuntimeError, match="`follow` runs on the processes other than 0"):
+            engine.follow()
     with pytest.raises(ValueError, match="give one of `num_pages` and `budget`"):
         LLMEngine(tiny)
     with pytest.raises(ValueError, match=r"give a `plan` or its sizes \(`num_pages`\)"):

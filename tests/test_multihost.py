@@ -32,7 +32,7 @@ import pytest
 import torch
 import transformers
 from conftest import FAST_COMPILE_FLAGS, save_tokenizer
-from multihost_worker import HEARTBEAT_TIMEOUT, LAYOUTS, MAX_SEQ_LEN
+from multihost_worker import ENGINE_LAYOUT, ENGINE_TOKENS, HEARTBEAT_TIMEOUT, LAYOUTS, MAX_SEQ_LEN
 
 WORKER = Path(__file__).parent / "multihost_worker.py"
 # Seconds for the three processes to write their results, on a slow shared machine.
@@ -187,6 +187,26 @@ def test_a_budget_picks_the_single_host_max_seq_len(runs, layout):
         seen = results[f"process {i}"][layout]
         assert seen["budget"] == reference["budget"], f"process {i}"
         assert seen["budget_max_seq_len"] == MAX_SEQ_LEN, f"process {i}"
+
+
+def test_the_engine_runs_the_same_requests_on_both_processes(runs):
+    # Process 0 serves eight requests and cancels a ninth; process 1 follows. Each runs them
+    # as one process with the whole mesh does, and as the model on one device does.
+    results, _ = runs
+    reference = results["reference"][ENGINE_LAYOUT]["engine"]
+    assert reference == results["reference"]["one device"]["engine"]
+    assert [len(ids) for ids in reference["token_ids"]] == ENGINE_TOKENS
+    assert reference["pages_in_use"] == 0
+    leader = results["process 0"][ENGINE_LAYOUT]["engine"]
+    follower = results["process 1"][ENGINE_LAYOUT]["engine"]
+    assert leader["token_ids"] == reference["token_ids"]
+    # The follower hands out its requests as they finish.
+    assert sorted(follower["token_ids"]) == sorted(reference["token_ids"])
+    assert follower["cancelled"] == 1
+    assert "process 0 takes the requests" in follower["refused"]
+    for seen in (leader, follower):
+        assert seen["pages_in_use"] == 0
+        assert seen["finished"] == len(ENGINE_TOKENS)
 
 
 def test_a_killed_process_fails_the_other_within_the_heartbeat_timeout(runs):

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
+from jaxlm.batching import lockstep
 from jaxlm.batching.handle import RequestHandle
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.plan import EnginePlan, plan_engine
@@ -70,6 +72,9 @@ class LLMEngine:
     Decode steps run `decode_steps` at a time while no prompt waits, ending early where a
     request samples a stop token: the tokens of a call reach its requests together. On a model
     sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`.
+    On a mesh that spans several processes, every process makes the engine and runs the same
+    steps (`jaxlm.batching.lockstep`): process 0 takes the requests, and each of the others
+    runs `follow()` until process 0 closes the engine.
     With `speculative="ngram"`, requests draft tokens from their own text while they decode
     (`jaxlm.speculative`), `num_speculative_tokens` (3) at a time, as `generate` does; their
     tokens are those they give without.
@@ -155,8 +160,15 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        # Across processes: what process 0 hands the others at the next call, and on the
+        # others, the requests that `follow()` has yet to hand out.
+        self._lockstep = lockstep.spans_processes(plan.mesh)
+        self._follower = self._lockstep and jax.process_index() != 0
+        self._events: list = []
+        self._followed: list[RequestHandle] = []
         self._thread = threading.Thread(target=self._loop, name="jaxlm-engine", daemon=True)
-        self._thread.start()
+        if not self._follower:
+            self._thread.start()
 
     def _loop(self) -> None:
         try:
@@ -165,13 +177,31 @@ class LLMEngine:
         except BaseException as error:  # the engine cannot go on: fail every request
             self._fail_all(error)
 
+    def follow(self) -> Iterator[RequestOutput]:
+        """On a process other than 0: run the engine's steps with process 0's until it closes
+        the engine, yielding the result of each request as it finishes here (the same as
+        process 0's). Process 0 waits for every process at each step, so keep iterating."""
+        if not self._follower:
+            raise RuntimeError("`follow` runs on the processes other than 0, which serves")
+        return self._follow()
+
+    def _follow(self) -> Iterator[RequestOutput]:
+        while self._call():
+            with self._wake:
+                done, self._followed = self._followed, []
+            yield from (h.result() for h in done)
+
     def _call(self) -> bool:
         """Schedule, run and record one XLA call; False once the engine is closed."""
         with self._wake:
-            while not self._closed and not self.scheduler.has_work():
-                self._wake.wait()
-            if self._closed:
-                return False
+            if self._lockstep:
+                if not self._exchange():
+                    return False
+            else:
+                while not self._closed and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._closed:
+                    return False
             # Slots for drafts, where a request drafts.
             drafts = any(h._drafts for h in self._handles.values())
             spare = self.num_speculative_tokens if drafts else 0
@@ -210,6 +240,31 @@ class LLMEngine:
                 self._record(batch, sampled, logprobs, rows)
                 batch = self.scheduler.next_steps(batch)
                 rows = {c.seq.id: c.seq.slot for c in batch.chunks}
+        return True
+
+    def _exchange(self) -> bool:
+        """Hand process 0's events since the last call to every process, which replays them
+        (`jaxlm.batching.lockstep`); False once process 0 has closed the engine."""
+        if not self._follower:
+            if not (self._closed or self._events or self.scheduler.has_work()):
+                self._wake.wait(lockstep.HEARTBEAT)
+            events, self._events = self._events, []
+            if self._closed:
+                events.append(None)
+        else:
+            events = []
+        for event in lockstep.exchange(events):
+            if event is None:
+                self._closed = True
+                return False
+            kind, *args = event
+            if kind == "cancel":
+                if (handle := self._handles.get(args[0])) is not None:
+                    self._cancel_now(handle)
+            elif self._follower:
+                prompt, params, group, speculative = args
+                req = parse_request(self.model, self.tokenizer, [prompt], params)
+                self._admit(req, self._grammar(req), group, speculative, None)
         return True
 
     def _fill_masks(self, batch: Batch) -> np.ndarray | None:
@@ -256,6 +311,8 @@ class LLMEngine:
             if handle._done.is_set():
                 del self._handles[i]
                 self.finished += 1
+                if self._follower:
+                    self._followed.append(handle)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wake:
@@ -326,6 +383,8 @@ class LLMEngine:
         Example:
             >>> h = engine.submit("JSON: ", max_new_tokens=64, response_format=MyModel)
             >>> MyModel.model_validate_json(h.result().text)"""
+        if self._follower:
+            raise RuntimeError("process 0 takes the requests; this process runs `follow()`")
         if speculative == ENGINE_DEFAULT:
             speculative = self.speculative
         drafts_of(speculative)
@@ -337,24 +396,39 @@ class LLMEngine:
         req = parse_request(self.model, self.tokenizer, prompt, sampling_params(params, sampling))
         if len(req.prompts) != 1:
             raise ValueError("`submit` takes one prompt; submit each of several on its own")
-        req.stop_ids = frozenset(int(t) for t in req.stop_ids if t >= 0)
-        grammar, matcher = grammar_of(req.params.response_format), None
-        if grammar is not None:
-            self._grammars = grammars_for(self.tokenizer, self.model.config.vocab_size)
-            # Compiling takes a while for a large schema: not under the engine's lock.
-            matcher = self._grammars.matcher(grammar)
+        # Compiling a grammar takes a while for a large schema: not under the engine's lock.
+        grammar = self._grammar(req)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            seq = self.scheduler.submit(req.prompts[0], req.max_new_tokens, group)
-            handle = RequestHandle(self, seq, req, self.tokenizer, on_update)
-            handle._matcher = matcher
-            # Drafts would need the host's mask or counts at every position: such rows do not.
-            handle._drafts = speculative is not None and not (
-                _one_step(handle) or req.sampling["repetition_penalty"][0] != 1.0
-            )
-            self._handles[seq.id] = handle
+            handle = self._admit(req, grammar, group, speculative, on_update)
+            if self._lockstep:
+                # The other processes replay it: token ids, and a grammar rather than a class
+                # that only this process may define.
+                params = dataclasses.replace(req.params, response_format=grammar[0])
+                self._events.append(("submit", req.prompts[0], params, group, speculative))
             self._wake.notify()
+        return handle
+
+    def _grammar(self, req) -> tuple:
+        """A request's grammar and its matcher (both None without)."""
+        grammar = grammar_of(req.params.response_format)
+        if grammar is None:
+            return None, None
+        self._grammars = grammars_for(self.tokenizer, self.model.config.vocab_size)
+        return grammar, self._grammars.matcher(grammar)
+
+    def _admit(self, req, grammar, group: Hashable, speculative, on_update) -> RequestHandle:
+        """Queue a parsed request with its `_grammar` (under the engine's lock); its handle."""
+        req.stop_ids = frozenset(int(t) for t in req.stop_ids if t >= 0)
+        seq = self.scheduler.submit(req.prompts[0], req.max_new_tokens, group)
+        handle = RequestHandle(self, seq, req, self.tokenizer, on_update)
+        handle._matcher = grammar[1]
+        # Drafts would need the host's mask or counts at every position: such rows do not.
+        handle._drafts = speculative is not None and not (
+            _one_step(handle) or req.sampling["repetition_penalty"][0] != 1.0
+        )
+        self._handles[seq.id] = handle
         return handle
 
     def generate(
@@ -366,17 +440,30 @@ class LLMEngine:
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._wake:
-            if not handle._done.is_set():
-                self.scheduler.cancel(handle.seq)
-                handle._step(True)
-                self._handles.pop(handle.seq.id, None)
+            if handle._done.is_set():
+                return
+            if self._lockstep:
+                # At the next call, on every process.
+                self._events.append(("cancel", handle.seq.id))
+                self._wake.notify()
+            else:
+                self._cancel_now(handle)
+
+    def _cancel_now(self, handle: RequestHandle) -> None:
+        self.scheduler.cancel(handle.seq)
+        handle._step(True)
+        self._handles.pop(handle.seq.id, None)
+        if self._follower:
+            self._followed.append(handle)
 
     def close(self) -> None:
-        """Stop the engine's thread; requests still running end as cancelled."""
+        """Stop the engine's thread; requests still running end as cancelled. Across
+        processes, process 0's ends every process's `follow()`."""
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        if not self._follower:
+            self._thread.join()
         for handle in list(self._handles.values()):
             self.scheduler.cancel(handle.seq)
             handle._step(True)

@@ -1,0 +1,50 @@
+"""`LLMEngine` across processes: every process runs the same steps, and process 0 says which.
+
+On a mesh whose devices span several processes (`jax.distributed`), each step is one program
+of all of them: every process must call it, with the same inputs, in the same order. Process 0
+takes the requests. At each call boundary it hands the others what changed since the last one
+(requests submitted or cancelled, the engine closed) as one small host array broadcast to all;
+each replays it on its own scheduler. From the same events and the same sampled tokens (every
+process reads the step's replicated output), every scheduler makes the same batches.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+# Bytes a broadcast carries: a payload goes in as many of them as it needs, so that one small
+# executable broadcasts every payload and serving compiles nothing.
+CHUNK = 4096
+# Seconds between process 0's broadcasts while it has nothing to say: the others wait for it
+# inside a collective, which XLA fails after its own timeout.
+HEARTBEAT = 1.0
+
+
+def spans_processes(mesh) -> bool:
+    """Whether `mesh` (or None) holds devices of other processes than this one."""
+    return mesh is not None and any(
+        d.process_index != jax.process_index() for d in mesh.devices.flat
+    )
+
+
+def exchange(events: list) -> list:
+    """Process 0's `events`, on every process (the others pass an empty list)."""
+    payload = np.frombuffer(pickle.dumps(events), np.uint8) if jax.process_index() == 0 else None
+    size = int(_broadcast(np.array([0 if payload is None else payload.size], np.int64))[0])
+    chunks = []
+    for start in range(0, size, CHUNK):
+        chunk = np.zeros(CHUNK, np.uint8)
+        if payload is not None:
+            piece = payload[start : start + CHUNK]
+            chunk[: piece.size] = piece
+        chunks.append(_broadcast(chunk))
+    # Process 0's own pickle, which only it could have sent.
+    return pickle.loads(np.concatenate(chunks)[:size].tobytes())
+
+
+def _broadcast(x: np.ndarray) -> np.ndarray:
+    return np.asarray(multihost_utils.broadcast_one_to_all(x))
