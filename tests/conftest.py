@@ -36,15 +36,22 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # XLA:CPU's LLVM optimizations take about a third of compiling and only make the machine code
 # faster: what XLA computes, its buffers and their aliasing are settled before them, and no
-# test times anything. Its older fusion emitters compile a two-layer model's steps in 0.4 of
-# the time of the new ones, for the same tokens (`docs/performance.md`, "The test suite's
-# compiling"). The child processes (notebooks, the command line) inherit the flags.
-FAST_COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-    "--xla_cpu_use_fusion_emitters=false"
-)
+# test times anything. XLA:CPU's older fusion emitters compile a two-layer model's steps in 0.4
+# of the time of the new ones but the default model's in 1.45 (`docs/performance.md`, "The test
+# suite's compiling"): the tests, mostly of two-layer models, take the older ones, and the
+# processes they start to run the default model (notebooks, the command line) the new ones,
+# with `DEFAULT_MODEL_FLAGS`. The child processes inherit the flags.
+DEFAULT_MODEL_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE_FLAGS = f"{DEFAULT_MODEL_FLAGS} --xla_cpu_use_fusion_emitters=false"
 if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+
+
+def default_model_env(**changes: str) -> dict:
+    """The environment, with `changes`, of a process started to run the default model."""
+    flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE_FLAGS, DEFAULT_MODEL_FLAGS)
+    return {**os.environ, "XLA_FLAGS": flags, **changes}
+
 
 # `multidevice` needs 4 devices, which XLA fixes at start-up: `test_sharding.py` runs it in a
 # process of its own.

@@ -10,13 +10,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 from conftest import SMOLLM2_LLAMACPP as REFERENCE
+from conftest import default_model_env
 
 JAXLM = Path(sys.executable).parent / "jaxlm"
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return {**os.environ, "JAXLM_CACHE_DIR": str(tmp_path_factory.mktemp("jaxlm-cache"))}
+    return default_model_env(JAXLM_CACHE_DIR=str(tmp_path_factory.mktemp("jaxlm-cache")))
 
 
 def run(env, *args, stdin=None):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import default_model_env
 from nbclient import NotebookClient
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -26,9 +27,11 @@ def run(nb: nbformat.NotebookNode) -> None:
 
 
 @pytest.fixture(autouse=True)
-def headless_matplotlib(monkeypatch):
-    # The kernel inherits this process's environment.
+def kernel_environment(monkeypatch):
+    # The kernel inherits this process's environment: headless matplotlib, and the flags that
+    # compile the default model fastest.
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("XLA_FLAGS", default_model_env()["XLA_FLAGS"])
 
 
 def test_there_are_notebooks():
