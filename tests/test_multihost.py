@@ -34,6 +34,8 @@ import transformers
 from conftest import FAST_COMPILE_FLAGS, save_tokenizer
 from multihost_worker import ENGINE_LAYOUT, ENGINE_TOKENS, HEARTBEAT_TIMEOUT, LAYOUTS, MAX_SEQ_LEN
 
+from jaxlm.batching import lockstep
+
 WORKER = Path(__file__).parent / "multihost_worker.py"
 # Seconds for the three processes to write their results, on a slow shared machine.
 RESULTS_TIMEOUT = 480
@@ -207,6 +209,14 @@ def test_the_engine_runs_the_same_requests_on_both_processes(runs):
     for seen in (leader, follower):
         assert seen["pages_in_use"] == 0
         assert seen["finished"] == len(ENGINE_TOKENS)
+
+
+@pytest.mark.parametrize("tokens", [0, 1000, 3 * lockstep.CHUNK])
+def test_the_engine_events_cross_in_chunks_of_any_number(tokens):
+    # On one process a broadcast hands back what it is given: the payload's size, in the first
+    # chunk, and the chunks after it come back as the events.
+    events = [("submit", list(range(tokens)), None, ("group", 1), "ngram"), ("cancel", 7)]
+    assert lockstep.exchange(events) == events
 
 
 def test_a_killed_process_fails_the_other_within_the_heartbeat_timeout(runs):

@@ -33,17 +33,24 @@ def spans_processes(mesh) -> bool:
 
 def exchange(events: list) -> list:
     """Process 0's `events`, on every process (the others pass an empty list)."""
-    payload = np.frombuffer(pickle.dumps(events), np.uint8) if jax.process_index() == 0 else None
-    size = int(_broadcast(np.array([0 if payload is None else payload.size], np.int64))[0])
-    chunks = []
-    for start in range(0, size, CHUNK):
-        chunk = np.zeros(CHUNK, np.uint8)
-        if payload is not None:
-            piece = payload[start : start + CHUNK]
-            chunk[: piece.size] = piece
-        chunks.append(_broadcast(chunk))
+    data = None
+    if jax.process_index() == 0:
+        payload = pickle.dumps(events)
+        data = np.frombuffer(len(payload).to_bytes(8, "little") + payload, np.uint8)
+    # The first chunk carries the payload's size: a call's few events take one broadcast.
+    first = _broadcast(_chunk(data, 0))
+    size = int.from_bytes(first[:8].tobytes(), "little")
+    chunks = [first, *(_broadcast(_chunk(data, start)) for start in range(CHUNK, size + 8, CHUNK))]
     # Process 0's own pickle, which only it could have sent.
-    return pickle.loads(np.concatenate(chunks)[:size].tobytes())
+    return pickle.loads(np.concatenate(chunks)[8 : 8 + size].tobytes())
+
+
+def _chunk(data: np.ndarray | None, start: int) -> np.ndarray:
+    chunk = np.zeros(CHUNK, np.uint8)
+    if data is not None:
+        piece = data[start : start + CHUNK]
+        chunk[: piece.size] = piece
+    return chunk
 
 
 def _broadcast(x: np.ndarray) -> np.ndarray:
