@@ -36,7 +36,6 @@ class RequestHandle:
         self._history: list[Delta] = []
         self._changed = threading.Condition()
         self._done = threading.Event()
-        self._result: RequestOutput | None = None
         self._error: BaseException | None = None
         self._on_update = on_update
         self._deltas: list[Delta] = []  # not yet taken by `deltas()`
@@ -71,12 +70,8 @@ class RequestHandle:
                 self._deltas.append(delta)
                 self._changed.notify_all()
         if progress.result is not None:
-            result = progress.result
-            result.drafted_tokens, result.accepted_tokens = (
-                self.drafted_tokens,
-                self.accepted_tokens,
-            )
-            self._result = result
+            progress.result.drafted_tokens = self.drafted_tokens
+            progress.result.accepted_tokens = self.accepted_tokens
             self._set_done()
         if delta is not None and self._on_update is not None:
             self._on_update()
@@ -126,7 +121,7 @@ class RequestHandle:
             raise TimeoutError(f"the request did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
-        return self._result
+        return self._progress.result
 
     def cancel(self) -> None:
         """Stop the request at the next step; its slot and pages are freed."""
