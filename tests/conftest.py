@@ -38,9 +38,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # faster: what XLA computes, its buffers and their aliasing are settled before them, and no
 # test times anything. XLA:CPU's older fusion emitters compile a two-layer model's steps in 0.4
 # of the time of the new ones but the default model's in 1.45 (`docs/performance.md`, "The test
-# suite's compiling"): the tests, mostly of two-layer models, take the older ones, and the
-# processes they start to run the default model (notebooks, the command line) the new ones,
-# with `DEFAULT_MODEL_FLAGS`. The child processes inherit the flags.
+# suite's compiling"): the tests, mostly of two-layer models, take the older ones; the processes
+# they start to run the default model (notebooks, the command line), and the worker that runs
+# the default model's files (`FIRST_WORKER`), the new ones, with `DEFAULT_MODEL_FLAGS`. The
+# child processes inherit the flags.
 DEFAULT_MODEL_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 FAST_COMPILE_FLAGS = f"{DEFAULT_MODEL_FLAGS} --xla_cpu_use_fusion_emitters=false"
 if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
@@ -146,9 +147,32 @@ FILE_SECONDS = {
 }
 
 
+# The first of the two workers takes these files first: those that run the default model in
+# this process, which it compiles with the new emitters, and those whose time goes to the
+# processes they start, with flags of their own. The second takes the others first.
+FIRST_WORKER = "gw0"
+FIRST_WORKER_FILES = {
+    "test_serve.py",
+    "test_notebooks.py",
+    "test_default_model.py",
+    "test_sharding.py",
+    "test_cli.py",
+    "test_multihost.py",
+}
+
+
+def _file(path: str) -> str:
+    return path.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
 def _group(path: str) -> str:
-    name = path.split("::", 1)[0].rsplit("/", 1)[-1]
-    return GROUPS.get(name, name)
+    return GROUPS.get(_file(path), _file(path))
+
+
+def pytest_configure(config):
+    # Before anything starts XLA, which reads its flags once.
+    if getattr(config, "workerinput", {}).get("workerid") == FIRST_WORKER:
+        os.environ["XLA_FLAGS"] = default_model_env()["XLA_FLAGS"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -166,6 +190,14 @@ def pytest_xdist_make_scheduler(config, log):
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # A worker takes the slowest group of its own first, else the fastest of the other's.
+            first = node.gateway.id == FIRST_WORKER
+            groups = list(self.workqueue)
+            own = [g for g in groups if (_file(g) in FIRST_WORKER_FILES) == first]
+            self.workqueue.move_to_end(own[0] if own else groups[-1], last=False)
+            super()._assign_work_unit(node)
 
     return ByGroup(config, log)
 

@@ -123,22 +123,32 @@ def test_generate_stream_and_chat_hold_to_a_schema_as_the_engine_does(served):
         tokenizer.apply_chat_template(ask(p), add_generation_prompt=True) for _, p in SCHEMAS[:2]
     ]
     formats = [{"type": "json_schema", "json_schema": {"schema": _schema(m)}} for m, _ in SCHEMAS]
+    # Every call below runs on one plan of two rows: the masked steps compile once.
+    plan = jaxlm.plan(
+        model,
+        max_batch=2,
+        max_seq_len=512,
+        prefill_chunk=128,
+        steps=("start_masked", "decode_masked"),
+    )
     kw = dict(max_new_tokens=96, response_format=formats[0])
     # Two rows under one grammar in one call: `Person` for both prompts.
-    out = jaxlm.generate(model, tokenizer, prompts, **kw)
+    out = jaxlm.generate(model, tokenizer, prompts, plan=plan, **kw)
     for i, prompt in enumerate(prompts):
         assert out[i].finish_reason == "stop", out
         jsonschema.validate(json.loads(out[i].text), _schema(Person))
         # Greedy under the same grammar: the engine's tokens, and `stream`'s text.
         assert engine.submit(prompt, **kw).result().token_ids == out[i].token_ids
-        deltas = list(jaxlm.stream(model, tokenizer, prompt, **kw))
+        deltas = list(jaxlm.stream(model, tokenizer, prompt, plan=plan, **kw))
         assert "".join(d.text for d in deltas) == out[i].text
         assert [t for d in deltas for t in d.token_ids] == out[i].token_ids
         assert deltas[-1].finish_reason == out[i].finish_reason
-    reply = jaxlm.chat(model, tokenizer, ask(SCHEMAS[2][1]), response_format=Paint)
+    reply = jaxlm.chat(model, tokenizer, ask(SCHEMAS[2][1]), response_format=Paint, plan=plan)
     assert Paint.model_validate_json(reply)
     # Cut short, the output is the start of an object and ends for its `length`.
-    short = jaxlm.generate(model, tokenizer, prompts[0], max_new_tokens=3, response_format=Paint)
+    short = jaxlm.generate(
+        model, tokenizer, prompts[0], max_new_tokens=3, response_format=Paint, plan=plan
+    )
     assert [o.finish_reason for o in short] == ["length"] and short[0].text.startswith("{")
     assert len(short[0].token_ids) == 3
     # `generate` and the engine compiled their grammars with one `llguidance` tokenizer.
