@@ -5,6 +5,7 @@ fallback to XLA's products; the C++ sources' formatting."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -165,6 +166,23 @@ def test_switched_off_products_run_through_xla(monkeypatch):
     exact = np.asarray(int4.dequantize(packed, scales)) @ np.asarray(x)
     np.testing.assert_allclose(ops.quantized_matmul(packed, scales, x), exact, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(native[1], exact, rtol=0.05, atol=0.05 * np.abs(exact).max())
+
+
+def test_a_product_loads_the_library_itself(tmp_path):
+    # A process whose first use of the kernels is a product (`available()` not asked first).
+    rng = np.random.default_rng(0)
+    q = rng.integers(-128, 128, (40, 72), dtype=np.int8)
+    scale, x = rng.random(40, np.float32), rng.standard_normal((72, 3), np.float32)
+    np.savez(tmp_path / "in.npz", q=q, scale=scale, x=x)
+    code = (
+        "import sys, numpy as np\n"
+        "from jaxlm import kernels\n"
+        "a = np.load(sys.argv[1])\n"
+        "np.save(sys.argv[2], np.asarray(kernels.w8_matmul(a['q'], a['scale'], a['x'])))"
+    )
+    out = tmp_path / "out.npy"
+    subprocess.run([sys.executable, "-c", code, tmp_path / "in.npz", out], check=True)
+    np.testing.assert_array_equal(np.load(out), w8_reference(q, scale, x))
 
 
 def test_a_missing_library_is_reported_once(monkeypatch):

@@ -97,9 +97,8 @@ def limited_to(name: str):
     global _limit
     if name not in ISAS:
         raise ValueError(f"`name` must be one of {', '.join(f'`{n}`' for n in ISAS)}, got {name!r}")
+    _registered()
     library = _library()
-    if library is None:
-        raise RuntimeError("jaxlm's native CPU kernels are unavailable here")
     previous, _limit = _limit, ISAS.index(name)
     library.JaxlmKernelsLimitIsa(ctypes.c_int(_limit))
     try:
@@ -107,6 +106,12 @@ def limited_to(name: str):
     finally:
         _limit = previous
         library.JaxlmKernelsLimitIsa(ctypes.c_int(previous))
+
+
+def _registered() -> None:
+    # The custom calls' targets are registered as the library loads.
+    if _library() is None:
+        raise RuntimeError("jaxlm's native CPU kernels are unavailable here")
 
 
 def _columns(x: jax.Array, k: int, name: str) -> jax.Array:
@@ -123,6 +128,7 @@ def w8_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
     Example:
         >>> y = jaxlm.kernels.w8_matmul(q, scale, x)
     """
+    _registered()
     if q.dtype != jnp.int8 or q.ndim < 2:
         raise ValueError(f"`q` must be int8 [..., out, in], got {q.dtype} {q.shape}")
     if scale.shape != q.shape[:-1]:
@@ -143,6 +149,7 @@ def w4_matmul(packed: jax.Array, scales: jax.Array, x: jax.Array) -> jax.Array:
     Example:
         >>> y = jaxlm.kernels.w4_matmul(packed, scales, x)
     """
+    _registered()
     if packed.dtype != jnp.uint8 or packed.ndim < 2:
         raise ValueError(f"`packed` must be uint8 [..., out, in / 2], got {packed.dtype}")
     k = 2 * packed.shape[-1]
