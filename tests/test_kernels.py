@@ -22,6 +22,8 @@ from jaxlm.kernels import int4
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 COLUMNS = (1, 2, 3, 8, 64)
+# The 4-bit product's panels take columns four at a time, then the 3, 2 or 1 left.
+W4_COLUMNS = (*COLUMNS, 17, 18, 19)
 # Every path of the kernels this CPU runs; the library is built by `pip install`.
 ISAS = kernels.cpu_isas()
 
@@ -77,8 +79,9 @@ def w4_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.nd
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("cols", COLUMNS)
-@pytest.mark.parametrize("shape", [(1, 32), (5, 96), (3, 4, 160), (17, 576)])
+@pytest.mark.parametrize("cols", W4_COLUMNS)
+# Rows past whole panels of 16 (the AVX512-VNNI path from 16 columns on) among them.
+@pytest.mark.parametrize("shape", [(1, 32), (5, 96), (3, 4, 160), (17, 576), (53, 96), (2, 20, 64)])
 def test_w4_equals_numpy(isa, cols, shape):
     rng = np.random.default_rng(cols)
     w = rng.standard_normal(shape, np.float32)
@@ -153,8 +156,12 @@ def test_switched_off_products_run_through_xla(monkeypatch):
     x = jnp.asarray(rng.standard_normal((64, 2), np.float32))
     native = [ops.quantized_matmul(q, scale, x), ops.quantized_matmul(packed, scales, x)]
     assert custom_calls(ops.quantized_matmul, q, scale, x) == 1
-    # A prompt chunk's many columns: XLA's integer dot ran them faster.
-    assert custom_calls(ops.quantized_matmul, q, scale, jnp.ones((64, 9))) == 0
+    # A prompt chunk's many columns: native on the AVX512-VNNI path, which ran them faster
+    # than XLA's integer dot; XLA's on the others.
+    chunk = jnp.ones((64, 9))
+    assert custom_calls(ops.quantized_matmul, q, scale, chunk) == (ISAS[-1] == "avx512_vnni")
+    with kernels.limited_to("avx2"):
+        assert custom_calls(ops.quantized_matmul, q, scale, chunk) == 0
     assert custom_calls(ops.quantized_matmul, packed, scales, jnp.ones((64, 9))) == 1
     assert kernels.products() == f"native ({ISAS[-1]})"
     monkeypatch.setenv(kernels.SWITCH, "0")

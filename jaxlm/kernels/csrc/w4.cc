@@ -4,6 +4,8 @@
 // step each. Byte i of a block holds element i in its low nibble and element i + 16 in its
 // high one, as GGUF stores them; the activations are laid out to match, so the nibbles
 // multiply them as they are read.
+// A row takes the columns four at a time; from `kPanelColumns` columns on (a prompt chunk), the
+// AVX512-VNNI path multiplies panels of 16 rows instead (`RowsPanels`).
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -21,6 +23,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 // The vector paths read four blocks of nibbles (64 bytes) at a time: a super-block.
 constexpr int64_t kSuper = 4;
+// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`).
+constexpr int64_t kPanelColumns = 16;
 
 // The activations of `cols` columns, per super-block of each: 128 int8 values (the four
 // blocks' first halves, then their second halves), and 16 lanes of float32 factors, four per
@@ -168,6 +172,156 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void RowVnni(
   for (int j = 0; j < ND; ++j) out[j] += _mm512_reduce_add_ps(acc[j]);
 }
 
+// Many columns (a prompt chunk), AVX512-VNNI: 16 rows at a time, their nibbles unpacked once
+// to bytes laid out as `dpbusd` takes them (four inputs of each row side by side, the 16 rows
+// across a vector), with each block's scales and minimums as 16 float32 lanes, multiply each
+// column's four activations broadcast. Every product adds into its own row's lane: nothing sums
+// across a vector, which `RowVnni` does once per row and column (see `w8.cc`, `SumsPanels`).
+constexpr int kPanel = 16;
+
+// A panel's bytes: block b's group g of four inputs at 64 * (8b + g); its scales and minimums:
+// block b's at 16 * b.
+struct Panel {
+  uint8_t* values;
+  float* d;
+  float* m;
+};
+
+// The panel of rows [0, rows) (rows <= 16) of `blocks` blocks each; rows past `rows` hold 0.
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void PackPanel(
+    const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows, Panel panel) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i row_bytes = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(16 * blocks));
+  const __m512i row_scales = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(4 * blocks));
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; ++b) {
+    // Byte i of a block holds input i in its low nibble and input i + 16 in its high one.
+    for (int g = 0; g < 4; ++g) {
+      const __m512i words =
+          _mm512_mask_i32gather_epi32(zero, live, row_bytes, w + 16 * b + 4 * g, 1);
+      _mm512_storeu_si512(panel.values + 64 * (8 * b + g), _mm512_and_si512(words, low));
+      _mm512_storeu_si512(panel.values + 64 * (8 * b + 4 + g),
+                          _mm512_and_si512(_mm512_srli_epi16(words, 4), low));
+    }
+    // The scale and the minimum of a block are one 32-bit word.
+    const __m512i pairs = _mm512_mask_i32gather_epi32(zero, live, row_scales, dm + 2 * b, 1);
+    _mm512_storeu_ps(panel.d + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs)));
+    _mm512_storeu_ps(panel.m + 16 * b,
+                     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16))));
+  }
+}
+
+// NP panels (32 rows at most) against columns [c0, c0 + ND), into `out` [rows][cols].
+template <int NP, int ND>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void PanelTile(
+    const Panel* panels, int64_t blocks, int64_t rows, const Activations& x, int64_t c0,
+    int64_t cols, float* out) {
+  __m512 acc[NP][ND];
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 4
+    for (int j = 0; j < ND; ++j) acc[p][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t slot = 16 * (b % kSuper);
+    const int8_t* values[ND];
+#pragma GCC unroll 4
+    for (int j = 0; j < ND; ++j) {
+      values[j] = x.values.data() + ((c0 + j) * x.supers + b / kSuper) * 128 + slot;
+    }
+    __m512i dot[NP][ND];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 4
+      for (int j = 0; j < ND; ++j) dot[p][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      // Inputs 4g..4g+3 of the block: the first half's at 4g, the second's 64 bytes on.
+      const int64_t at = g < 4 ? 4 * g : 64 + 4 * (g - 4);
+      __m512i xs[ND];
+#pragma GCC unroll 4
+      for (int j = 0; j < ND; ++j) {
+        int32_t word;
+        std::memcpy(&word, values[j] + at, sizeof word);
+        xs[j] = _mm512_set1_epi32(word);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        const __m512i wv = _mm512_loadu_si512(panels[p].values + 64 * (8 * b + g));
+#pragma GCC unroll 4
+        for (int j = 0; j < ND; ++j) dot[p][j] = _mm512_dpbusd_epi32(dot[p][j], wv, xs[j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < ND; ++j) {
+      const int64_t factors = ((c0 + j) * x.supers + b / kSuper) * 16 + 4 * (b % kSuper);
+      const __m512 step = _mm512_set1_ps(x.scale[factors]);
+      const __m512 offset = _mm512_set1_ps(x.offset[factors]);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        const __m512 d = _mm512_loadu_ps(panels[p].d + 16 * b);
+        const __m512 m = _mm512_loadu_ps(panels[p].m + 16 * b);
+        acc[p][j] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[p][j]), _mm512_mul_ps(d, step), acc[p][j]);
+        acc[p][j] = _mm512_fmadd_ps(m, offset, acc[p][j]);
+      }
+    }
+  }
+  alignas(64) float lanes[kPanel];
+  for (int p = 0; p < NP; ++p) {
+    for (int j = 0; j < ND; ++j) {
+      _mm512_store_ps(lanes, acc[p][j]);
+      for (int64_t i = 0; i < std::min<int64_t>(kPanel, rows - p * kPanel); ++i) {
+        out[(p * kPanel + i) * cols + c0 + j] = lanes[i];
+      }
+    }
+  }
+}
+
+template <int NP>
+void PanelColumns(const Panel* panels, int64_t blocks, int64_t rows, const Activations& x,
+                  int64_t cols, float* out) {
+  int64_t c = 0;
+  for (; c + 4 <= cols; c += 4) PanelTile<NP, 4>(panels, blocks, rows, x, c, cols, out);
+  switch (cols - c) {
+    case 3:
+      PanelTile<NP, 3>(panels, blocks, rows, x, c, cols, out);
+      break;
+    case 2:
+      PanelTile<NP, 2>(panels, blocks, rows, x, c, cols, out);
+      break;
+    case 1:
+      PanelTile<NP, 1>(panels, blocks, rows, x, c, cols, out);
+      break;
+  }
+}
+
+// Rows [r0, r1) against every column, into `out` [rows][cols] from row r0.
+void RowsPanels(const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
+                int64_t cols, int64_t r0, int64_t r1, float* out) {
+  const int64_t count = (r1 - r0 + kPanel - 1) / kPanel;
+  std::vector<uint8_t> values(count * blocks * 8 * 64);
+  std::vector<float> factors(count * blocks * 2 * kPanel);
+  std::vector<Panel> panels(count);
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t r = r0 + p * kPanel;
+    panels[p] = {values.data() + p * blocks * 8 * 64, factors.data() + 2 * p * blocks * kPanel,
+                 factors.data() + (2 * p + 1) * blocks * kPanel};
+    PackPanel(w + r * blocks * 16, dm + r * blocks * 2, blocks, std::min<int64_t>(kPanel, r1 - r),
+              panels[p]);
+  }
+  int64_t p = 0;
+  for (; p + 2 <= count; p += 2) {
+    PanelColumns<2>(panels.data() + p, blocks, std::min<int64_t>(2 * kPanel, r1 - r0 - p * kPanel),
+                    x, cols, out + p * kPanel * cols);
+  }
+  if (p < count) {
+    PanelColumns<1>(panels.data() + p, blocks, r1 - r0 - p * kPanel, x, cols,
+                    out + p * kPanel * cols);
+  }
+}
+
 #endif  // JAXLM_X86
 
 template <int ND>
@@ -227,6 +381,15 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
   const uint8_t* w = packed.typed_data();
   const uint16_t* dm = scales.typed_data();
   float* out = y->typed_data();
+#ifdef JAXLM_X86
+  if (isa == kAvx512Vnni && cols >= kPanelColumns) {
+    ParallelRows(pool, rows, RowGrain(pool, rows, 2 * kPanel), [&](int64_t r0, int64_t r1) {
+      RowsPanels(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, a, cols, 0, r1 - r0,
+                 out + r0 * cols);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   ParallelRows(pool, rows, RowGrain(pool, rows, 4), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < cols; c += 4) {
