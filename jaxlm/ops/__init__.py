@@ -200,7 +200,8 @@ def computed_once(predicate: jax.Array, fn, otherwise, *operands):
 
 # 8-bit products.
 
-# On CPU, jaxlm's native int8 product runs up to this many columns, XLA's integer dot more.
+# On CPU, jaxlm's native int8 product runs up to this many columns, XLA's integer dot more,
+# except on the native AVX512-VNNI path, which ran every number of columns faster.
 _NATIVE_W8_COLUMNS = 8
 
 # Weights are rotated along their input in blocks of up to this many features.
@@ -269,10 +270,12 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
       two it is negligible, and the rotation of the input (random signs and Hadamard blocks,
       folded into the weight) halves what the weights' rounding costs (see
       `docs/performance.md`, "8-bit products").
-    - One CPU device with jaxlm's native kernels (`jaxlm.kernels`), up to 8 columns: the
-      same two digits, in a custom call that reads the int8 weight once for both; XLA's
-      integer dot streamed the weights at a third of the memory's speed, but ran more columns
-      (a prompt chunk) faster (see `docs/performance.md`, "Native products").
+    - One CPU device with jaxlm's native kernels (`jaxlm.kernels`), up to 8 columns, or any
+      number on their AVX512-VNNI path: the same two digits, in a custom call that reads the
+      int8 weight once for both; XLA's integer dot streamed the weights at a third of the
+      memory's speed, but ran more columns (a prompt chunk) faster than the kernels did
+      before their AVX512-VNNI path kept its sums in registers; the other paths were not
+      measured again (see `docs/performance.md`, "Native products").
     - Otherwise the int8 weight is converted inside a bfloat16 dot and its rows scaled after,
       the weight-only product that GPU and TPU compilers fuse.
 
@@ -288,7 +291,8 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
     cols = math.prod(x.shape[1:])
     flat = _rotate(x.reshape(k, cols), 0)
     dims = (((q.ndim - 1,), (0,)), ((), ()))
-    if native and k <= kernels.W8_MAX_IN and cols <= _NATIVE_W8_COLUMNS:
+    vnni = kernels.isa() == "avx512_vnni"
+    if native and k <= kernels.W8_MAX_IN and (cols <= _NATIVE_W8_COLUMNS or vnni):
         return kernels.w8_matmul(q, scale, flat).reshape(*q.shape[:-1], *x.shape[1:])
     if platform() == "cpu":
         y = _in_two_digits(q, flat.astype(jnp.float32), dims)
