@@ -89,6 +89,7 @@ def _engine(model, tokenizer) -> dict:
     once), the others follow; the token ids in submission order, or, where this process
     follows, in the order its requests finished."""
     with jaxlm.LLMEngine(model, tokenizer, **ENGINE) as engine:
+        running = [engine.is_running]
         if jax.process_index() == 0:
             prompts = [*PROMPTS, LONG_PROMPT] * 2
             handles = [
@@ -107,12 +108,14 @@ def _engine(model, tokenizer) -> dict:
             outputs = [o for o in followed if o.finish_reason != "cancelled"]
             cancelled = [o for o in followed if o.finish_reason == "cancelled"]
         stats = engine.stats()
+    running.append(engine.is_running)
     return {
         "token_ids": [o.token_ids for o in outputs],
         "cancelled": len(cancelled),
         "refused": refused,
         "pages_in_use": stats.pages_in_use,
         "finished": stats.finished,
+        "running": running,
     }
 
 

@@ -209,13 +209,16 @@ def test_the_engine_runs_the_same_requests_on_both_processes(runs):
     for seen in (leader, follower):
         assert seen["pages_in_use"] == 0
         assert seen["finished"] == len(ENGINE_TOKENS)
+        # Running from the start (a follower's steps run in `follow()`), not once closed.
+        assert seen["running"] == [True, False]
 
 
 @pytest.mark.parametrize("tokens", [0, 1000, 3 * lockstep.CHUNK])
 def test_the_engine_events_cross_in_chunks_of_any_number(tokens):
     # On one process a broadcast hands back what it is given: the payload's size, in the first
     # chunk, and the chunks after it come back as the events.
-    events = [("submit", list(range(tokens)), None, ("group", 1), "ngram"), ("cancel", 7)]
+    submit = lockstep.Submit(list(range(tokens)), None, ("group", 1), "ngram")
+    events = [submit, lockstep.Cancel(7), lockstep.Close()]
     assert lockstep.exchange(events) == events
 
 

@@ -166,8 +166,10 @@ class LLMEngine:
         self._follower = self._lockstep and jax.process_index() != 0
         self._events: list = []
         self._followed: list[RequestHandle] = []
-        self._thread = threading.Thread(target=self._loop, name="jaxlm-engine", daemon=True)
+        # A process other than 0 runs the steps in `follow()`, in the caller's thread.
+        self._thread = None
         if not self._follower:
+            self._thread = threading.Thread(target=self._loop, name="jaxlm-engine", daemon=True)
             self._thread.start()
 
     def _loop(self) -> None:
@@ -250,21 +252,19 @@ class LLMEngine:
                 self._wake.wait(lockstep.HEARTBEAT)
             events, self._events = self._events, []
             if self._closed:
-                events.append(None)
+                events.append(lockstep.Close())
         else:
             events = []
         for event in lockstep.exchange(events):
-            if event is None:
+            if isinstance(event, lockstep.Close):
                 self._closed = True
                 return False
-            kind, *args = event
-            if kind == "cancel":
-                if (handle := self._handles.get(args[0])) is not None:
+            if isinstance(event, lockstep.Cancel):
+                if (handle := self._handles.get(event.seq_id)) is not None:
                     self._cancel_now(handle)
             elif self._follower:
-                prompt, params, group, speculative = args
-                req = parse_request(self.model, self.tokenizer, [prompt], params)
-                self._admit(req, self._grammar(req), group, speculative, None)
+                req = parse_request(self.model, self.tokenizer, [event.prompt], event.params)
+                self._admit(req, self._grammar(req), event.group, event.speculative, None)
         return True
 
     def _fill_masks(self, batch: Batch) -> np.ndarray | None:
@@ -328,8 +328,9 @@ class LLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine takes requests: not closed, and its thread has not died."""
-        return not self._closed and self._thread.is_alive()
+        """Whether the engine runs: not closed, and its thread (on a process other than 0,
+        `follow()`'s caller's) has not died."""
+        return not self._closed and (self._thread is None or self._thread.is_alive())
 
     def stats(self) -> EngineStats:
         """The engine's counters now (see `EngineStats`)."""
@@ -406,7 +407,7 @@ class LLMEngine:
                 # The other processes replay it: token ids, and a grammar rather than a class
                 # that only this process may define.
                 params = dataclasses.replace(req.params, response_format=grammar[0])
-                self._events.append(("submit", req.prompts[0], params, group, speculative))
+                self._events.append(lockstep.Submit(req.prompts[0], params, group, speculative))
             self._wake.notify()
         return handle
 
@@ -444,7 +445,7 @@ class LLMEngine:
                 return
             if self._lockstep:
                 # At the next call, on every process.
-                self._events.append(("cancel", handle.seq.id))
+                self._events.append(lockstep.Cancel(handle.seq.id))
                 self._wake.notify()
             else:
                 self._cancel_now(handle)
@@ -462,7 +463,7 @@ class LLMEngine:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        if not self._follower:
+        if self._thread is not None:
             self._thread.join()
         for handle in list(self._handles.values()):
             self.scheduler.cancel(handle.seq)

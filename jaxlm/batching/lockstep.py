@@ -10,7 +10,9 @@ process reads the step's replicated output), every scheduler makes the same batc
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from collections.abc import Hashable
 
 import jax
 import numpy as np
@@ -22,6 +24,29 @@ CHUNK = 4096
 # Seconds between process 0's broadcasts while it has nothing to say: the others wait for it
 # inside a collective, which XLA fails after its own timeout.
 HEARTBEAT = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """A request process 0 took: its prompt's token ids and what `LLMEngine.submit` was given
+    (a grammar, not a class only process 0 may define, as `params.response_format`)."""
+
+    prompt: list[int]
+    params: object
+    group: Hashable
+    speculative: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancel:
+    """A request cancelled on process 0: its sequence's id."""
+
+    seq_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Close:
+    """Process 0 closed the engine."""
 
 
 def spans_processes(mesh) -> bool:
