@@ -212,6 +212,10 @@ class SamplingParams:
 def sampling_params(params: SamplingParams | None, fields: dict) -> SamplingParams:
     """`params` with `fields` (its fields by name) in their place; without `params`, a
     `SamplingParams` of the fields alone."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        names = ", ".join(f"`{n}`" for n in unknown)
+        raise TypeError(f"unexpected argument {names}: not a field of `jaxlm.SamplingParams`")
     if params is None:
         return SamplingParams(**fields)
     if not isinstance(params, SamplingParams):

@@ -251,6 +251,9 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
             engine.submit([1, 2], max_new_tokens=4, temperature=-1)
         with pytest.raises(ValueError, match="one prompt"):
             engine.submit([[1, 2], [3]], max_new_tokens=4)
+        # An argument of `generate` that a request does not take, named.
+        with pytest.raises(TypeError, match="unexpected argument `plan`: not a field of"):
+            engine.submit([1, 2], max_new_tokens=4, plan=plan)
         with pytest.raises(ValueError, match=r'needs an engine that verifies drafts: .*"ngram"'):
             engine.submit([1, 2], max_new_tokens=4, speculative="ngram")
         # One process serves: `follow` is for the others of a mesh across processes.
