@@ -176,7 +176,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void RowVnni(
 // to bytes laid out as `dpbusd` takes them (four inputs of each row side by side, the 16 rows
 // across a vector), with each block's scales and minimums as 16 float32 lanes, multiply each
 // column's four activations broadcast. Every product adds into its own row's lane: nothing sums
-// across a vector, which `RowVnni` does once per row and column (see `w8.cc`, `SumsPanels`).
+// across a vector, which `RowVnni` does once per row and column.
 constexpr int kPanel = 16;
 
 // A panel's bytes: block b's group g of four inputs at 64 * (8b + g); its scales and minimums:
@@ -297,28 +297,27 @@ void PanelColumns(const Panel* panels, int64_t blocks, int64_t rows, const Activ
   }
 }
 
-// Rows [r0, r1) against every column, into `out` [rows][cols] from row r0.
+// `rows` rows of `w` against every column, into `out` [rows][cols].
 void RowsPanels(const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
-                int64_t cols, int64_t r0, int64_t r1, float* out) {
-  const int64_t count = (r1 - r0 + kPanel - 1) / kPanel;
+                int64_t cols, int64_t rows, float* out) {
+  const int64_t count = (rows + kPanel - 1) / kPanel;
   std::vector<uint8_t> values(count * blocks * 8 * 64);
   std::vector<float> factors(count * blocks * 2 * kPanel);
   std::vector<Panel> panels(count);
   for (int64_t p = 0; p < count; ++p) {
-    const int64_t r = r0 + p * kPanel;
+    const int64_t r = p * kPanel;
     panels[p] = {values.data() + p * blocks * 8 * 64, factors.data() + 2 * p * blocks * kPanel,
                  factors.data() + (2 * p + 1) * blocks * kPanel};
-    PackPanel(w + r * blocks * 16, dm + r * blocks * 2, blocks, std::min<int64_t>(kPanel, r1 - r),
+    PackPanel(w + r * blocks * 16, dm + r * blocks * 2, blocks, std::min<int64_t>(kPanel, rows - r),
               panels[p]);
   }
   int64_t p = 0;
   for (; p + 2 <= count; p += 2) {
-    PanelColumns<2>(panels.data() + p, blocks, std::min<int64_t>(2 * kPanel, r1 - r0 - p * kPanel),
-                    x, cols, out + p * kPanel * cols);
+    PanelColumns<2>(panels.data() + p, blocks, std::min<int64_t>(2 * kPanel, rows - p * kPanel), x,
+                    cols, out + p * kPanel * cols);
   }
   if (p < count) {
-    PanelColumns<1>(panels.data() + p, blocks, r1 - r0 - p * kPanel, x, cols,
-                    out + p * kPanel * cols);
+    PanelColumns<1>(panels.data() + p, blocks, rows - p * kPanel, x, cols, out + p * kPanel * cols);
   }
 }
 
@@ -384,7 +383,7 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
 #ifdef JAXLM_X86
   if (isa == kAvx512Vnni && cols >= kPanelColumns) {
     ParallelRows(pool, rows, RowGrain(pool, rows, 2 * kPanel), [&](int64_t r0, int64_t r1) {
-      RowsPanels(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, a, cols, 0, r1 - r0,
+      RowsPanels(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, a, cols, r1 - r0,
                  out + r0 * cols);
     });
     return ffi::Error::Success();
