@@ -166,7 +166,8 @@ def _file(path: str) -> str:
 
 
 def _group(path: str) -> str:
-    return GROUPS.get(_file(path), _file(path))
+    name = _file(path)
+    return GROUPS.get(name, name)
 
 
 def pytest_configure(config):

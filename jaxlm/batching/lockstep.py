@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxlm.requests import SamplingParams
+
 # Bytes a broadcast carries: a payload goes in as many of them as it needs, so that one small
 # executable broadcasts every payload and serving compiles nothing.
 CHUNK = 4096
@@ -32,7 +34,7 @@ class Submit:
     (a grammar, not a class only process 0 may define, as `params.response_format`)."""
 
     prompt: list[int]
-    params: object
+    params: SamplingParams
     group: Hashable
     speculative: str | None
 

@@ -97,8 +97,7 @@ def limited_to(name: str):
     global _limit
     if name not in ISAS:
         raise ValueError(f"`name` must be one of {', '.join(f'`{n}`' for n in ISAS)}, got {name!r}")
-    _registered()
-    library = _library()
+    library = _registered()
     previous, _limit = _limit, ISAS.index(name)
     library.JaxlmKernelsLimitIsa(ctypes.c_int(_limit))
     try:
@@ -108,10 +107,12 @@ def limited_to(name: str):
         library.JaxlmKernelsLimitIsa(ctypes.c_int(previous))
 
 
-def _registered() -> None:
+def _registered() -> ctypes.CDLL:
     # The custom calls' targets are registered as the library loads.
-    if _library() is None:
+    library = _library()
+    if library is None:
         raise RuntimeError("jaxlm's native CPU kernels are unavailable here")
+    return library
 
 
 def _columns(x: jax.Array, k: int, name: str) -> jax.Array:
