@@ -21,6 +21,7 @@ import fractions
 import jax
 import jax.numpy as jnp
 
+from jaxlm import ops
 from jaxlm.batching.sampled import PACKED, pack, sample, sample_drafts
 from jaxlm.speculative import MAX_BACKOFF, kept, propose
 
@@ -132,9 +133,11 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
         c["wait"] = c["wait"].at[pick].set(jnp.where(missed, backoff, 0))
         return plan(c)
 
+    # Every iteration of each loop gives every active row a token or more, and a row is active
+    # for at most `steps` tokens: no loop runs more than `most` times.
     def body(c):
-        c = jax.lax.while_loop(lambda c: jnp.any(c["active"]) & ~c["can"], single, c)
-        return jax.lax.while_loop(lambda c: c["can"], chunk, c)
+        c = ops.while_loop(lambda c: jnp.any(c["active"]) & ~c["can"], single, c, most)
+        return ops.while_loop(lambda c: c["can"], chunk, c, most)
 
     zeros = jnp.zeros((rows,), jnp.int32)
     c = plan(
@@ -152,7 +155,7 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
             accepted=zeros,
         )
     )
-    c = jax.lax.while_loop(lambda c: jnp.any(c["active"]), body, c)
+    c = ops.while_loop(lambda c: jnp.any(c["active"]), body, c, most)
     # The last entry, never a token (-2), holds each row's counts and its wait and backoff.
     counts = [jnp.full((rows,), -2, jnp.int32), c["drafted"], c["accepted"], c["wait"]]
     counts = jnp.stack([*counts, c["backoff"]], axis=1)

@@ -198,6 +198,22 @@ def computed_once(predicate: jax.Array, fn, otherwise, *operands):
     return jax.lax.cond(predicate, fn, otherwise, *operands)
 
 
+def while_loop(cond, body, init, most):
+    """`jax.lax.while_loop(cond, body, init)` for a loop known to stop within `most` iterations.
+
+    XLA's loop passes look for each loop's induction variable; in a loop whose condition reads
+    only values its body computes, they copy out every instruction those depend on, a model's
+    whole forward, pass after pass; a counter the condition compares with `most` is found at
+    once (see `docs/performance.md`, "Compiling loops"). `most` must not cut the loop short.
+    """
+    counted = jax.lax.while_loop(
+        lambda c: (c[0] < most) & cond(c[1]),
+        lambda c: (c[0] + 1, body(c[1])),
+        (jnp.int32(0), init),
+    )
+    return counted[1]
+
+
 # 8-bit products.
 
 # On CPU, jaxlm's native int8 product runs up to this many columns, XLA's integer dot more,
