@@ -207,7 +207,16 @@ def pytest_collection_finish(session):
     # torch, transformers and the test modules leave about half a million objects that live
     # as long as the process: each full collection walked them all, a quarter of a second,
     # and every plan collects twice to measure its executables' host memory. Frozen, the
-    # collector skips them; what the tests create later is collected as before.
+    # collector skips them; so it does what each test file leaves, from the next file on.
+    gc.freeze()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _earlier_files_objects_frozen():
+    # JAX keeps the trace of every step it compiled, so a worker's full collections grew with
+    # the files it had run. What earlier files left is collected once here and the rest
+    # frozen (`docs/performance.md`, "The test suite's compiling").
+    gc.collect()
     gc.freeze()
 
 
