@@ -12,13 +12,16 @@ The table gives milliseconds per step (median of `--repeats`), the stored weight
 temporaries, where a copy of the weights hoisted out of the loop shows, and the cores other
 processes kept busy meanwhile (`load`: above about 0.1, measure again).
 
+`--isa` runs the native kernels on a path below the best this CPU has (`jaxlm.kernels.ISAS`).
+
 Usage: python benchmarks/native_products.py [--cols 1,2,8,128] [--steps 8] [--repeats 3]
-       [--layers 30] [--vocab 49152]
+       [--layers 30] [--vocab 49152] [--isa avx2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -92,9 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--isa", choices=kernels.ISAS, help="the native kernels' path")
     args = p.parse_args(argv)
     native = kernels.available()
-    print(f"native kernels: {kernels.isa() if native else 'unavailable'}", flush=True)
+    with kernels.limited_to(args.isa) if args.isa and native else contextlib.nullcontext():
+        print(f"native kernels: {kernels.isa() if native else 'unavailable'}", flush=True)
+        rows = table(args, native)
+    header = ("products", "columns", "stored MiB", "XLA temp MiB", "ms/step", "load")
+    print("\n".join(text_table(header, rows)))
+    return 0
+
+
+def table(args, native: bool) -> list[tuple]:
     cols = [int(c) for c in args.cols.split(",")]
     rows, rng = [], np.random.default_rng(0)
     for variant in VARIANTS:
@@ -107,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             mib = f"{stored / 2**20:.0f}", f"{temp / 2**20:.1f}"
             rows.append((variant, str(c), *mib, f"{ms:.2f}", f"{load:.1f}"))
             print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
-    header = ("products", "columns", "stored MiB", "XLA temp MiB", "ms/step", "load")
-    print("\n".join(text_table(header, rows)))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

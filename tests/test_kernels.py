@@ -209,9 +209,11 @@ def test_kernels_benchmark_runs_every_variant(monkeypatch, capsys):
     monkeypatch.setenv(kernels.SWITCH, "1")
     bench = load_benchmark("native_products")
     args = ["--layers", "1", "--vocab", "1024", "--cols", "1,3", "--steps", "1", "--repeats", "1"]
-    assert bench.main(args) == 0
+    assert bench.main([*args, "--isa", "portable"]) == 0
     out = capsys.readouterr().out
     assert all(f"{variant} " in out for variant in bench.VARIANTS), out
+    assert "native kernels: portable" in out
+    assert kernels.isa() == kernels.cpu_isas()[-1]
 
 
 def test_cpp_sources_are_formatted():
