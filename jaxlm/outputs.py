@@ -126,9 +126,11 @@ class Detokenizer:
     """Text of a growing list of ids, released only when it is final.
 
     Text ending in an incomplete UTF-8 sequence (U+FFFD) or in what could begin a stop string
-    is held back until the next tokens settle it. Each update looks for a stop string only
-    where it could newly end, in the last `len(stop)` characters before the new text and the
-    new text itself, so that long outputs and long stop strings cost no more per token.
+    is held back until the next tokens settle it. Each update decodes only its new tokens and
+    those of the update before (more while a character is incomplete), and looks for a stop
+    string only where it could newly end, in the last `len(stop)` characters before the new
+    text and the new text itself, so that long outputs and long stop strings cost no more per
+    token (see `docs/performance.md`, "Detokenizing as tokens arrive").
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
@@ -140,11 +142,28 @@ class Detokenizer:
         self.held = False
         # Characters of the text searched for every stop string already.
         self.searched = 0
+        # The text of `ids[:read]`, and that of `ids[start:read]` decoded alone: what later
+        # tokens add to the latter is what they add to the whole (a tokenizer may drop the
+        # leading space of the first token it decodes, the same in both).
+        self._text, self._window, self._start, self._read = "", "", 0, 0
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text of `ids`, which extend the last `ids` given."""
+        tail = self.tokenizer.decode(ids[self._start :])
+        if len(ids) < self._read or not tail.startswith(self._window):
+            # Not a continuation of what was decoded: decode it all, and go on from there.
+            self._text, self._window, self._start, self._read = "", "", 0, 0
+            tail = self.tokenizer.decode(ids)
+        text = self._text + tail[len(self._window) :]
+        if not text.endswith("\ufffd"):
+            self._start, self._read = self._read, len(ids)
+            self._text, self._window = text, self.tokenizer.decode(ids[self._start :])
+        return text
 
     def update(self, ids: list[int], final: bool) -> str:
         if self.finished:
             return ""
-        text = self.tokenizer.decode(ids)
+        text = self._decode(ids)
         at = self._find(text)
         # Trailing U+FFFD may become another character once more bytes arrive: search it again.
         settled = len(text.rstrip("\ufffd"))

