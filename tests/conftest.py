@@ -207,7 +207,7 @@ def pytest_collection_finish(session):
     # torch, transformers and the test modules leave about half a million objects that live
     # as long as the process: each full collection walked them all, a quarter of a second,
     # and every plan collects twice to measure its executables' host memory. Frozen, the
-    # collector skips them; so it does what each test file leaves, from the next file on.
+    # collector skips them, and what each test file leaves once the next file starts (below).
     gc.freeze()
 
 
