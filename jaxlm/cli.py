@@ -92,6 +92,64 @@ def _drafts_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _processes_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "several hosts",
+        "run the same command on every host, each with its own --process-id, and a --mesh over "
+        "all their devices: process 0 serves, the others run its steps",
+    )
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
+    g.add_argument("--num-processes", type=_positive_int, default=None, help="processes in all")
+    g.add_argument("--process-id", type=int, default=None, help="this process, from 0")
+
+
+def _processes(args) -> dict | None:
+    """`jax.distributed.initialize`'s arguments from `--coordinator`, `--num-processes` and
+    `--process-id` (None without them), checked before anything loads."""
+    given = {
+        "--coordinator": args.coordinator,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    missing = [name for name, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"several processes need {', '.join(f'`{m}`' for m in missing)} too")
+    if args.mesh is None:
+        raise ValueError("several processes need `--mesh` over the devices of all of them")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"`--coordinator` must be HOST:PORT, got {args.coordinator!r}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(
+            f"`--process-id` must be from 0 to {args.num_processes - 1} "
+            f"(`--num-processes {args.num_processes}`), got {args.process_id}"
+        )
+    return dict(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+
+
+def _join(processes: dict, mesh: tuple[int, int]) -> None:
+    """Join the other processes (`jax.distributed`), before anything touches a device; the
+    mesh must then hold every process's devices, so that each step is all of theirs."""
+    import math
+
+    import jax
+
+    # JAX's CPU collectives between processes; other platforms have their own.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**processes)
+    if math.prod(mesh) != jax.device_count():
+        raise ValueError(
+            f"`--mesh {mesh[0]},{mesh[1]}` holds {math.prod(mesh)} devices; across "
+            f"{processes['num_processes']} processes it must hold all {jax.device_count()}"
+        )
+
+
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 # The steps `jaxlm.plan` compiles, by name.
 PLAN_STEPS = ("generate", "start", "decode")
@@ -169,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="how tool calls are read from the output (default: from the chat template)",
     )
+    _processes_options(s)
     s.add_argument(
         "--shutdown-grace",
         type=float,
@@ -287,6 +346,9 @@ def _serve(args) -> None:
         raise ValueError(
             f"`jaxlm serve` needs the serve extra: pip install 'jaxlm[serve]' ({e})"
         ) from None
+    processes = _processes(args)
+    if processes is not None:
+        _join(processes, args.mesh)
     model, tokenizer = jaxlm.load(
         args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
     )
@@ -315,6 +377,12 @@ def _serve(args) -> None:
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
     )
+    if processes is not None and processes["process_id"] != 0:
+        print(f"{engine.plan}\nrunning the steps of process 0", file=sys.stderr)
+        # Until process 0 closes the engine, when its server stops.
+        for _ in engine.follow():
+            pass
+        return
     print(f"{engine.plan}\nserving at http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve.run(
         engine,
@@ -354,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         # Refuse a bad value before the model loads, not after.
         if args.command in ("generate", "chat"):
             _params(args)
+        if args.command == "serve":
+            _processes(args)
         if args.command in ("generate", "chat", "serve"):
             from jaxlm.speculative import drafts_of
 

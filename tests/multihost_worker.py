@@ -38,6 +38,7 @@ ENGINE_LAYOUT = "model across processes"
 ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=48, max_num_batched_tokens=16)
 ENGINE_TOKENS = [12, 5, 9, 12, 7, 3, 10, 6]
 LONG_PROMPT = "The old bridge over the river was closed for repairs in May, " * 2
+ENGINE_PROMPTS = ([*PROMPTS, LONG_PROMPT] * 2)[: len(ENGINE_TOKENS)]
 
 
 def _bill(plan) -> dict:
@@ -91,10 +92,9 @@ def _engine(model, tokenizer) -> dict:
     with jaxlm.LLMEngine(model, tokenizer, **ENGINE) as engine:
         running = [engine.is_running]
         if jax.process_index() == 0:
-            prompts = [*PROMPTS, LONG_PROMPT] * 2
             handles = [
                 engine.submit(p, max_new_tokens=n, stop_token_ids=[])
-                for p, n in zip(prompts, ENGINE_TOKENS, strict=False)
+                for p, n in zip(ENGINE_PROMPTS, ENGINE_TOKENS, strict=True)
             ]
             engine.submit(LONG_PROMPT, max_new_tokens=8, stop_token_ids=[]).cancel()
             outputs = [h.result() for h in handles]
@@ -111,6 +111,7 @@ def _engine(model, tokenizer) -> dict:
     running.append(engine.is_running)
     return {
         "token_ids": [o.token_ids for o in outputs],
+        "texts": [o.text for o in outputs],
         "cancelled": len(cancelled),
         "refused": refused,
         "pages_in_use": stats.pages_in_use,

@@ -80,6 +80,10 @@ def test_plan_over_budget(env):
     assert "no `max_seq_len` fits" in out.stderr
 
 
+# Two processes over 6 devices, less `--process-id`.
+HOSTS = ("--num-processes", "2", "--coordinator", "10.0.0.1:1234", "--mesh", "1,6")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -94,6 +98,16 @@ def test_plan_over_budget(env):
         (
             ("serve", "--speculative", "ngram", "--num-speculative-tokens", "17"),
             "`num_speculative_tokens` must be an integer from 1 to 16",
+        ),
+        (("serve", "--coordinator", "10.0.0.1:1234"), "need `--num-processes`, `--process-id` too"),
+        (("serve", *HOSTS[:4], "--process-id", "0"), "need `--mesh` over the devices of all"),
+        (
+            ("serve", *HOSTS[:2], "--coordinator", "10.0.0.1", *HOSTS[4:], "--process-id", "0"),
+            "`--coordinator` must be HOST:PORT, got '10.0.0.1'",
+        ),
+        (
+            ("serve", *HOSTS, "--process-id", "2"),
+            "`--process-id` must be from 0 to 1 (`--num-processes 2`), got 2",
         ),
         (("plan", "--max-seq-len", "64", "--steps", "prefill"), "invalid choice: 'prefill'"),
         (("translate", "Hi"), "invalid choice: 'translate'"),
@@ -120,6 +134,33 @@ def test_errors_are_one_line_with_exit_code_2(monkeypatch, capsys, args, message
     assert code == 2
     assert stderr.count("\n") == 1, stderr
     assert message in stderr
+
+
+def test_serve_joins_the_processes_then_refuses_a_mesh_short_of_their_devices(monkeypatch, capsys):
+    # In this process, with `jax.distributed.initialize` stood in for and 6 devices in all:
+    # a mesh of 3 would leave process 1's devices out of every step.
+    import jax
+
+    import jaxlm
+    from jaxlm import cli
+
+    joined, options = {}, {}
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the command line loaded a model before checking the mesh")
+
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: joined.update(kwargs))
+    monkeypatch.setattr(jax.config, "update", lambda name, value: options.update({name: value}))
+    monkeypatch.setattr(jax, "device_count", lambda: 6)
+    monkeypatch.setattr(jaxlm, "load", no_load)
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
+    monkeypatch.setattr(cli, "_without_ynnpack", lambda *args: None)
+    code = cli.main(["serve", *HOSTS[:4], "--mesh", "1,3", "--process-id", "1"])
+    stderr = capsys.readouterr().err
+    assert code == 2
+    assert "`--mesh 1,3` holds 3 devices; across 2 processes it must hold all 6" in stderr
+    assert joined == {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
+    assert options == {"jax_cpu_collectives_implementation": "gloo"}
 
 
 def test_the_sampling_options_reach_stream(monkeypatch, capsys):

@@ -22,21 +22,36 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 import transformers
 from conftest import FAST_COMPILE_FLAGS, save_tokenizer
-from multihost_worker import ENGINE_LAYOUT, ENGINE_TOKENS, HEARTBEAT_TIMEOUT, LAYOUTS, MAX_SEQ_LEN
+from multihost_worker import (
+    ENGINE,
+    ENGINE_LAYOUT,
+    ENGINE_PROMPTS,
+    ENGINE_TOKENS,
+    HEARTBEAT_TIMEOUT,
+    LAYOUTS,
+    MAX_SEQ_LEN,
+)
 
 from jaxlm.batching import lockstep
 
 WORKER = Path(__file__).parent / "multihost_worker.py"
+# Seconds for the servers to start and to stop once process 0 is told to.
+SERVE_TIMEOUT = 300
+STOP_TIMEOUT = 60
 # Seconds for the three processes to write their results, on a slow shared machine.
 RESULTS_TIMEOUT = 480
 # Seconds for the survivor to fail once the other process is killed: the heartbeat timeout,
@@ -77,16 +92,15 @@ def _tiny_model(path: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
-def _start(name: str, tmp: Path, devices: int, args: list) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count={devices}",
-    }
+def _start(name: str, tmp: Path, devices: int, argv: list) -> subprocess.Popen:
+    # Without XLA:CPU's YNNPACK fusions, as `jaxlm serve` runs a float32 model: the servers
+    # then find the engine's steps that the workers compiled in the compilation cache.
+    flags = (
+        f"--xla_force_host_platform_device_count={devices} --xla_cpu_experimental_ynn_fusion_type="
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} {flags}"}
     with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
-        return subprocess.Popen(
-            [sys.executable, str(WORKER), *map(str, args)], env=env, stdout=out, stderr=err
-        )
+        return subprocess.Popen([sys.executable, *map(str, argv)], env=env, stdout=out, stderr=err)
 
 
 def _logs(tmp: Path, names) -> str:
@@ -96,19 +110,24 @@ def _logs(tmp: Path, names) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def model_dir(tmp_path_factory) -> Path:
+    model = tmp_path_factory.mktemp("model")
+    _tiny_model(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_dir):
     """Each process's results, and how the survivor ended once the other was killed."""
     tmp = tmp_path_factory.mktemp("multihost")
-    model = tmp / "model"
-    model.mkdir()
-    _tiny_model(model)
+    model = model_dir
     port = _free_port()
     files = {name: tmp / f"{name}.json" for name in ("reference", "process 0", "process 1")}
     procs = {
-        "reference": _start("reference", tmp, 6, [model, files["reference"], 1, 0, 0]),
+        "reference": _start("reference", tmp, 6, [WORKER, model, files["reference"], 1, 0, 0]),
         **{
             f"process {i}": _start(
-                f"process {i}", tmp, 3, [model, files[f"process {i}"], 2, i, port]
+                f"process {i}", tmp, 3, [WORKER, model, files[f"process {i}"], 2, i, port]
             )
             for i in (0, 1)
         },
@@ -232,3 +251,77 @@ def test_a_killed_process_fails_the_other_within_the_heartbeat_timeout(runs):
     stderr = survivor["stderr"]
     assert JAX_FAILURE in stderr, stderr[-4000:]
     assert any(cause in stderr for cause in DEATH_CAUSES), stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_dir, runs):
+    """`jaxlm serve` as two processes on the engine's layout, after `runs` (whose steps the
+    compilation cache then holds): the engine's requests sent to process 0 at once, what each
+    process wrote and how each ended once process 0 was stopped."""
+    tmp = tmp_path_factory.mktemp("serve")
+    http = _free_port()
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    argv = [
+        *("-m", "jaxlm", "serve", "--model", model_dir, "--served-model-name", "tiny"),
+        *("--port", http, "--mesh", "1,6"),
+        *("--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", 2, *options),
+    ]
+    procs = {
+        f"server {i}": _start(f"server {i}", tmp, 3, [*argv, "--process-id", i]) for i in (0, 1)
+    }
+    base = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT
+        while not _healthy(base):
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    pytest.fail(f"{name} exited with {proc.returncode}\n" + _logs(tmp, procs))
+            if time.monotonic() > deadline:
+                pytest.fail(f"no server after {SERVE_TIMEOUT} s\n" + _logs(tmp, procs))
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+        def complete(request):
+            prompt, tokens = request
+            return client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                timeout=SERVE_TIMEOUT,
+            )
+
+        with ThreadPoolExecutor(len(ENGINE_PROMPTS)) as pool:
+            completions = list(pool.map(complete, zip(ENGINE_PROMPTS, ENGINE_TOKENS, strict=True)))
+        procs["server 0"].send_signal(signal.SIGTERM)
+        codes = {name: proc.wait(timeout=STOP_TIMEOUT) for name, proc in procs.items()}
+        return completions, codes, tmp
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_serve_across_two_processes_answers_as_one_process(runs, served):
+    # Process 0 takes the eight requests at once, over more than the engine's slots, and both
+    # processes run the steps: each answer is what one process with the whole mesh gives.
+    results, _ = runs
+    completions, codes, tmp = served
+    logs = {name: (tmp / f"{name}.err").read_text() for name in codes}
+    reference = results["reference"][ENGINE_LAYOUT]["engine"]
+    assert [c.choices[0].text for c in completions] == reference["texts"]
+    assert [c.usage.completion_tokens for c in completions] == ENGINE_TOKENS
+    assert all(c.choices[0].finish_reason == "length" for c in completions)
+    assert "serving at" in logs["server 0"] and "serving at" not in logs["server 1"]
+    assert "running the steps of process 0" in logs["server 1"]
+    # Stopping process 0's server closes the engine, which ends process 1's too.
+    assert codes == {"server 0": 0, "server 1": 0}, _logs(tmp, codes)
