@@ -7,6 +7,7 @@ released only once final (`Detokenizer`) and cut before the first stop string (`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 
@@ -82,7 +83,7 @@ class Progress:
         end = len(ids)
         if not ended and self.detokenizer is not None and self.detokenizer.held:
             # A token goes out with the last of its text, which a stop string may yet cut.
-            end = _tokens_within(self.tokenizer, ids, self.detokenizer.sent, self.sent)
+            end = self.detokenizer.tokens_within(ids, self.sent)
         new = ids[self.sent : end]
         if not ended and not piece and (self.detokenizer is not None or not new):
             return None
@@ -122,6 +123,10 @@ def _tokens_within(tokenizer, ids: list[int], chars: int, lo: int = 0) -> int:
     return lo
 
 
+# Updates whose ends a detokenizer keeps, to find the tokens of text held back over as many.
+MARKS = 8
+
+
 class Detokenizer:
     """Text of a growing list of ids, released only when it is final.
 
@@ -146,6 +151,8 @@ class Detokenizer:
         # tokens add to the latter is what they add to the whole (a tokenizer may drop the
         # leading space of the first token it decodes, the same in both).
         self._text, self._window, self._start, self._read = "", "", 0, 0
+        # The last updates' ends whose text is complete: (tokens, characters of their text).
+        self._marks = collections.deque([(0, 0)], maxlen=MARKS)
 
     def _decode(self, ids: list[int]) -> str:
         """The text of `ids`, which extend the last `ids` given."""
@@ -153,11 +160,14 @@ class Detokenizer:
         if len(ids) < self._read or not tail.startswith(self._window):
             # Not a continuation of what was decoded: decode it all, and go on from there.
             self._text, self._window, self._start, self._read = "", "", 0, 0
+            self._marks = collections.deque([(0, 0)], maxlen=MARKS)
             tail = self.tokenizer.decode(ids)
         text = self._text + tail[len(self._window) :]
         if not text.endswith("\ufffd"):
             self._start, self._read = self._read, len(ids)
             self._text, self._window = text, self.tokenizer.decode(ids[self._start :])
+            if len(ids) > self._marks[-1][0]:
+                self._marks.append((len(ids), len(text)))
         return text
 
     def update(self, ids: list[int], final: bool) -> str:
@@ -180,6 +190,20 @@ class Detokenizer:
         self.sent = max(end, self.sent)
         self.held = self.sent < len(text)
         return piece
+
+    def tokens_within(self, ids: list[int], lo: int) -> int:
+        """How many of `ids`, the last given, at least `lo`, decode to no more than the text
+        released. Where `lo` is past two of the last updates' ends, the tokens from the first
+        of them on are decoded, not all."""
+        marks = [m for m in self._marks if m[0] <= lo][-2:]
+        if len(marks) < 2:
+            return _tokens_within(self.tokenizer, ids, self.sent, lo)
+        (start, _), (read, chars) = marks
+        # What `ids[read:k]` add to the text is what they add to that of `ids[start:read]`.
+        window = ids[start:]
+        known = len(self.tokenizer.decode(window[: read - start]))
+        end = _tokens_within(self.tokenizer, window, self.sent - chars + known, lo - start)
+        return start + end
 
     def _find(self, text: str) -> int:
         hits = [text.find(s, max(0, self.searched - len(s))) for s in self.stop]

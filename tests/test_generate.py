@@ -272,6 +272,35 @@ def test_a_delta_hands_out_a_token_with_the_last_of_its_text(ids):
         assert released.startswith(tok.decode(sent))
 
 
+class CountingPieces(Pieces):
+    """`Pieces`, counting the ids it decodes."""
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_a_held_token_costs_the_last_updates_not_the_whole_output():
+    # Each update adds "a" and "xc", whose "c" may begin the stop string "ce": held back, with
+    # its token, until the next update. Which tokens have all their text out is found among
+    # the last updates' tokens, not by decoding the whole output again at every update.
+    tok = CountingPieces()
+    progress = Progress(tok, ("ce",), [0])
+    ids, decoded = [], []
+    for _ in range(1000):
+        ids += [0, 1]
+        before = tok.decoded
+        delta = progress.update(list(ids), False, "length")
+        decoded.append(tok.decoded - before)
+        assert delta.text == ("ax" if len(ids) == 2 else "cax")
+        assert delta.token_ids == ([0] if len(ids) == 2 else [1, 0])
+    # The same few ids an update at 2,000 tokens as at 20 (not the thousands of a whole decode).
+    assert max(decoded[-100:]) == max(decoded[10:20]) <= 32, decoded[-100:]
+
+
 def test_chat_renders_the_template_as_transformers_does(chat_model, tiny_chat):
     model, tok = chat_model
     messages = [

