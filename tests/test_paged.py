@@ -88,3 +88,41 @@ def test_every_family_runs_paged(family):
     _, path, hf = family
     model, _ = jaxlm.load(path)
     assert_paged_rows_equal_each_sequence_alone(model, hf)
+
+
+@pytest.mark.parametrize("queries", [ops.attention.PAGE_BY_PAGE, 128])
+def test_attention_over_pages_equals_numpy(queries):
+    # 9 heads over 3 KV heads, 16 pages of 16 slots, the first 200 filled, causal for the last
+    # `queries` of them. A drafted chunk multiplies page by page, as decoding does; a prompt's
+    # wider chunk lays the pages end to end first: its queries against 16 small pages were 16
+    # small products each (`docs/performance.md`, "Attention over the filled slots").
+    rng = np.random.default_rng(0)
+    heads, kv, d, pages, size, filled = 9, 3, 64, 16, 16, 200
+    q = rng.standard_normal((heads, d, 1, queries), np.float32)
+    k = rng.standard_normal((1, pages, kv, d, size), np.float32)
+    v = rng.standard_normal((1, pages, kv, size, d), np.float32)
+    slot = np.arange(pages * size)
+    position = filled - queries + np.arange(queries)
+    mask = (slot[None, :] <= position[:, None])[None]
+    out = np.asarray(ops.attention.attend(*map(jnp.asarray, (q, k, v, mask))))
+    # NumPy, each query head against its KV head's slots laid end to end.
+    keys = k[0].transpose(1, 2, 0, 3).reshape(kv, d, -1)
+    values = v[0].transpose(1, 0, 2, 3).reshape(kv, -1, d)
+    expected = np.empty((heads, d, queries), np.float32)
+    for h in range(heads):
+        scores = q[h, :, 0].T @ keys[h // 3] / np.sqrt(d)
+        scores = np.where(mask[0], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        expected[h] = (probs @ values[h // 3]).T
+    np.testing.assert_allclose(out.reshape(heads, d, queries), expected, rtol=1e-4, atol=1e-5)
+    dots = [
+        e.outvars[0].aval.shape
+        for e in jax.make_jaxpr(ops.attention.attend)(q, k, v, mask).eqns
+        if e.primitive.name == "dot_general"
+    ]
+    grouped = 3 * queries
+    if queries > ops.attention.PAGE_BY_PAGE:
+        assert dots == [(1, 1, kv, grouped, pages * size), (1, 1, kv, grouped, d)]
+    else:
+        assert dots == [(1, pages, kv, grouped, size), (1, pages, kv, grouped, d)]

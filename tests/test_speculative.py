@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm import cli, speculative
+from jaxlm import cli, ops, speculative
 from jaxlm.errors import PlanError
 from jaxlm.speculative import MAX_DRAFT, NGRAM_SIZES
 
@@ -196,3 +196,8 @@ def test_bad_speculative_arguments_are_refused(tiny_llama):
         jaxlm.generate(
             model, None, [1, 2], max_new_tokens=2, speculative="ngram", response_format=schema
         )
+
+
+def test_a_drafted_chunk_attends_page_by_page_as_decoding_does():
+    # Its logits then equal decoding's bit for bit (`jaxlm.ops.attention.attend`).
+    assert MAX_DRAFT + 1 <= ops.attention.PAGE_BY_PAGE

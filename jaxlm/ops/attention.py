@@ -114,6 +114,12 @@ def gather_pages(cache: dict, table: jax.Array) -> tuple[jax.Array, jax.Array]:
 # Attention.
 
 
+# The most queries a row attends with over the pages as they lie: a drafted chunk's (at most
+# `jaxlm.speculative.MAX_DRAFT` drafts and the last token), whose logits then equal decoding's
+# bit for bit. A wider chunk (a prompt's) lays the pages end to end first.
+PAGE_BY_PAGE = 17
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -131,7 +137,8 @@ def attend(
     The pages are a batch dimension of both products and the softmax spans them: gathering a
     row's pages end to end cost a transposing copy of its keys and values in every layer, about
     twice the time of the attention itself in a batch-1 decode step (56 against 15-20 us a
-    layer; see `docs/performance.md`, "KV cache layout").
+    layer; see `docs/performance.md`, "KV cache layout"). A chunk of more than `PAGE_BY_PAGE`
+    queries (a prompt's) pays that copy: its products page by page were many small ones.
 
     The scores are scaled by `scale` (`D ** -0.5` without it) and, with `softcap`, capped to
     `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -141,6 +148,10 @@ def attend(
     there (see `docs/performance.md`, "Attention products' dtype").
     """
     heads, d, b, t = q.shape
+    if t > PAGE_BY_PAGE and k.shape[1] > 1:
+        # A prompt chunk: its queries against every page would be many small products.
+        k = k.transpose(0, 2, 3, 1, 4).reshape(b, 1, k.shape[2], d, -1)
+        v = v.transpose(0, 2, 1, 3, 4).reshape(b, 1, v.shape[2], -1, d)
     pages, nkv, size = k.shape[1], k.shape[2], k.shape[4]
     g = heads // nkv
     q = q.reshape(nkv, g, d, b, t).transpose(3, 0, 1, 4, 2).reshape(b, 1, nkv, g * t, d)
