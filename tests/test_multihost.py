@@ -14,8 +14,10 @@ with a free port and JAX's gloo CPU collectives, then use two `(data, model)` me
 A single process with 6 simulated devices runs the same meshes as the reference, and the same
 model on one device without a mesh. Then, while both processes generate in a loop, process 1
 is killed: process 0 must fail on its own within JAX's heartbeat timeout (set short) and a
-margin, naming the failure. Every wait is bounded, and the processes are killed if the test
-fails.
+margin, naming the failure. Last, `jaxlm serve` runs as two such processes on the `(1, 6)`
+mesh: process 0 answers the engine's requests as the single process's engine does, and both
+exit once process 0 is stopped. Every wait is bounded, and the processes are killed if the
+test fails.
 """
 
 from __future__ import annotations
