@@ -147,27 +147,28 @@ class Detokenizer:
         self.held = False
         # Characters of the text searched for every stop string already.
         self.searched = 0
-        # The text of `ids[:read]`, and that of `ids[start:read]` decoded alone: what later
-        # tokens add to the latter is what they add to the whole (a tokenizer may drop the
-        # leading space of the first token it decodes, the same in both).
-        self._text, self._window, self._start, self._read = "", "", 0, 0
+        self._restart()
+
+    def _restart(self) -> None:
         # The last updates' ends whose text is complete: (tokens, characters of their text).
         self._marks = collections.deque([(0, 0)], maxlen=MARKS)
+        # The text of the ids to the last end, and that of the ids between the last two ends
+        # decoded alone: what later tokens add to the latter is what they add to the whole (a
+        # tokenizer may drop the leading space of the first token it decodes, the same in both).
+        self._text, self._window = "", ""
 
     def _decode(self, ids: list[int]) -> str:
         """The text of `ids`, which extend the last `ids` given."""
-        tail = self.tokenizer.decode(ids[self._start :])
-        if len(ids) < self._read or not tail.startswith(self._window):
+        start, read = self._marks[-2][0] if len(self._marks) > 1 else 0, self._marks[-1][0]
+        tail = self.tokenizer.decode(ids[start:])
+        if len(ids) < read or not tail.startswith(self._window):
             # Not a continuation of what was decoded: decode it all, and go on from there.
-            self._text, self._window, self._start, self._read = "", "", 0, 0
-            self._marks = collections.deque([(0, 0)], maxlen=MARKS)
-            tail = self.tokenizer.decode(ids)
+            self._restart()
+            read, tail = 0, self.tokenizer.decode(ids)
         text = self._text + tail[len(self._window) :]
-        if not text.endswith("\ufffd"):
-            self._start, self._read = self._read, len(ids)
-            self._text, self._window = text, self.tokenizer.decode(ids[self._start :])
-            if len(ids) > self._marks[-1][0]:
-                self._marks.append((len(ids), len(text)))
+        if not text.endswith("\ufffd") and len(ids) > read:
+            self._marks.append((len(ids), len(text)))
+            self._text, self._window = text, self.tokenizer.decode(ids[read:])
         return text
 
     def update(self, ids: list[int], final: bool) -> str:
