@@ -408,6 +408,16 @@ def plan(
             fitted = _fit(make, floor, limit, generator.config, known())
             raise PlanError(p.over_budget_message(limit, fitted))
         return p
+    least = floor(SEQ_STEP)
+    if least > limit:
+        # Known without compiling: the weights and the shortest plan's scratch are over.
+        weights = weights_bytes(model)
+        raise PlanError(
+            f"the plan for `max_batch={max_batch}`, `max_seq_len={SEQ_STEP}` needs "
+            f"{format_bytes(least)} before XLA's temporaries (weights {format_bytes(weights)}, "
+            f"scratch {format_bytes(least - weights)}), over the budget of "
+            f"{format_bytes(limit)}; no `max_seq_len` fits at `max_batch={max_batch}`"
+        )
     best = _fit(make, floor, limit, generator.config, known())
     if best is None:
         raise PlanError(make(SEQ_STEP).over_budget_message(limit, None))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import jaxlm
 from jaxlm import LlamaForCausalLM, ModelConfig, PlanError, stops
-from jaxlm.memory import declarations, parse_bytes
+from jaxlm.memory import declarations, format_bytes, parse_bytes
 
 LENGTHS = [7, 3, 5]
 
@@ -200,8 +200,13 @@ def test_budget_picks_the_largest_page_that_fits(tmp_path):
         PlanError, match=r"over the budget .* the largest that fits is `max_seq_len="
     ):
         jaxlm.plan(model, max_batch=2, max_seq_len=plan.max_seq_len + 256, budget=budget)
-    with pytest.raises(PlanError, match="no `max_seq_len` fits"):
+    # Below the weights nothing fits, which is known without compiling a step.
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    with jaxlm.CompileCounter() as compiles, pytest.raises(PlanError) as refused:
         jaxlm.plan(model, max_batch=2, budget=1000)
+    assert compiles.builds == 0
+    assert "no `max_seq_len` fits" in str(refused.value)
+    assert f"weights {format_bytes(weights)}" in str(refused.value)
 
 
 def test_parse_bytes():
@@ -302,7 +307,7 @@ def test_release_host_memory_returns_free_heap_pages():
 
 
 def test_plan_measures_the_host_memory_of_its_compiled_steps(tmp_path):
-    from jaxlm.memory import format_bytes, release_host_memory, resident_bytes
+    from jaxlm.memory import release_host_memory, resident_bytes
 
     def settled() -> int:
         gc.collect()
