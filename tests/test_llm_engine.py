@@ -231,10 +231,16 @@ def test_an_error_before_a_call_fails_every_request(tiny):
 
 
 def test_bad_requests_and_a_budget(tiny, tiny_llama):
-    with LLMEngine(
-        tiny, max_num_seqs=2, page_size=4, budget="64MiB", max_num_batched_tokens=32
-    ) as engine:
+    with (
+        jaxlm.CompileCounter() as compiles,
+        LLMEngine(
+            tiny, max_num_seqs=2, page_size=4, budget="64MiB", max_num_batched_tokens=32
+        ) as engine,
+    ):
         plan = engine.plan
+        # Fitting the pages compiles each step once, and the few whose temporaries are the
+        # largest once more, with the fewest pages.
+        assert len(plan.compiled) < compiles.builds <= len(plan.compiled) + 3
         assert plan.total_bytes <= 64 << 20
         # The bill is what the engine allocated (weights and pages) and XLA's temporaries, read
         # here from the executables themselves; one more page would not have fit.
@@ -277,6 +283,20 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
     for steps in (0, 1.5):
         with pytest.raises(ValueError, match="`decode_steps` must be a positive integer"):
             LLMEngine(tiny, num_pages=8, decode_steps=steps)
+
+
+def test_a_budget_fits_the_pages_whichever_step_needs_the_most(tiny, monkeypatch):
+    # Should the steps compiled first with the fewest pages not be those with the largest
+    # temporaries (here the lone row's decode, the smallest), the pages still fit exactly.
+    from jaxlm.batching import plan as engine_plan
+
+    sizes = dict(max_num_seqs=2, page_size=4, budget="64MiB", max_num_batched_tokens=32)
+    fitted = jaxlm.plan(tiny, **sizes)
+    monkeypatch.setattr(engine_plan, "_probes", lambda steps: [Shape(0, 0, 0, 1)])
+    plan = jaxlm.plan(tiny, **sizes)
+    page = plan.scratch_bytes // plan.num_pages
+    assert plan.total_bytes <= 64 << 20 < plan.total_bytes + page
+    assert plan.num_pages == fitted.num_pages
 
 
 def test_a_host_pack_round_trips_every_dtype_through_a_jit():

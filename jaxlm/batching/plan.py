@@ -153,15 +153,17 @@ def plan_engine(
 
     limit = parse_bytes(budget) if budget is not None else None
 
-    def make(pages: int) -> EnginePlan:
+    def make(pages: int, shapes=None) -> EnginePlan:
         lay = layout(pages)
-        compiled = steps.compile(abstract, lay.abstract())
+        compiled = steps.compile(abstract, lay.abstract(), shapes)
         return EnginePlan(model, steps, lay, compiled, limit, partitioner)
 
     if limit is None:
         return make(num_pages)
-    # The pages are the only part of the bill that grows with their number: compile with the
-    # fewest and give the pages what the rest leaves.
+    # The pages are the only part of the bill that grows with their number. The steps whose
+    # temporaries are the largest as a rule (`_probes`), compiled alone with the fewest pages,
+    # give the rest of the bill; the pages take what that leaves, then as many fewer as another
+    # step's larger temporaries need.
     page_bytes = layout(1).device_nbytes
     weights = weights_bytes(model)
     if weights + MIN_PAGES * page_bytes > limit:
@@ -169,7 +171,7 @@ def plan_engine(
             f"`budget` {format_bytes(limit)} does not hold the weights, "
             f"{format_bytes(weights)}, and {MIN_PAGES} pages of {format_bytes(page_bytes)}"
         )
-    probe = make(MIN_PAGES)
+    probe = make(MIN_PAGES, _probes(steps))
     rest = probe.total_bytes - probe.scratch_bytes
     pages = (limit - rest) // page_bytes
     if pages < MIN_PAGES:
@@ -180,11 +182,23 @@ def plan_engine(
             f"{format_bytes(page_bytes)}"
         )
     plan = make(pages)
+    over = -(-(plan.total_bytes - limit) // page_bytes)
+    if 0 < over <= pages - MIN_PAGES:
+        plan = make(pages - over)
     if plan.total_bytes > limit:
         raise PlanError(
-            f"the engine's plan with {pages} pages needs {format_bytes(plan.total_bytes)} "
+            f"the engine's plan with {plan.num_pages} pages needs {format_bytes(plan.total_bytes)} "
             f"(weights {format_bytes(plan.weights_bytes)}, pages "
             f"{format_bytes(plan.scratch_bytes)}, XLA temporaries "
             f"{format_bytes(plan.temp_bytes)}), over the `budget` of {format_bytes(limit)}"
         )
     return plan
+
+
+def _probes(steps: step.Steps) -> list[step.Shape]:
+    """The steps whose temporaries are the largest as a rule: the prompt chunks of the most
+    tokens (the most chunks among them: each attends over its own pages), and decode over
+    every row (its sampling holds a row of the vocabulary each)."""
+    shapes = list(steps.layouts)
+    chunks = max((s for s in shapes if s.width), key=lambda s: (s.chunks * s.width, s.chunks))
+    return [chunks, *(s for s in shapes if not s.width and not s.rows)]

@@ -211,11 +211,13 @@ class Steps:
             spec.update({n: sds((rows,), jnp.int32) for n in ("limit", "wait", "backoff")})
         return spec
 
-    def compile(self, state, pages) -> dict:
-        """Each `Shape`'s step, compiled for the model's `state` and the `pages` (shapes will
-        do); it takes `(state, pages, buffer)`, donates the pages and returns `(pages, out)`."""
+    def compile(self, state, pages, shapes=None) -> dict:
+        """Each `Shape`'s step (of `shapes`, or all), compiled for the model's `state` and the
+        `pages` (shapes will do); it takes `(state, pages, buffer)`, donates the pages and
+        returns `(pages, out)`."""
         lowered = {}
-        for shape, layout in self.layouts.items():
+        for shape in self.layouts if shapes is None else shapes:
+            layout = self.layouts[shape]
             run = self._run_decode_drafts if shape.drafts else self._run_decode
             run = functools.partial(self._run if shape.width else run, layout)
             fn = jax.jit(run, donate_argnums=1)
