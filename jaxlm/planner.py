@@ -124,17 +124,12 @@ class Plan(Bill):
         return sum(s.device_nbytes for s in self.layout.slots if s.name in names)
 
     def over_budget_message(self, budget: int, fitting: Plan | None) -> str:
-        what = (
-            f"the largest that fits is `max_seq_len={fitting.max_seq_len}` "
-            f"({format_bytes(fitting.total_bytes)})"
-            if fitting is not None
-            else f"no `max_seq_len` fits at `max_batch={self.max_batch}`"
-        )
         return (
             f"the plan for `max_batch={self.max_batch}`, `max_seq_len={self.max_seq_len}` needs "
             f"{format_bytes(self.total_bytes)} (weights {format_bytes(self.weights_bytes)}, "
             f"scratch {format_bytes(self.scratch_bytes)}, XLA temporaries "
-            f"{format_bytes(self.temp_bytes)}), over the budget of {format_bytes(budget)}; {what}"
+            f"{format_bytes(self.temp_bytes)}), over the budget of {format_bytes(budget)}; "
+            f"{_fitting(fitting, self.max_batch)}"
         )
 
     # Running.
@@ -397,31 +392,47 @@ def plan(
         # Weights and scratch, known without compiling: a lower bound of the bill.
         return weights_bytes(model) + _layout(generator, decls, max_batch, seq).device_nbytes
 
+    def over_before_compiling(seq: int) -> PlanError | None:
+        # Known without compiling: the weights and the scratch of `seq` tokens are over.
+        weights, least = weights_bytes(model), floor(seq)
+        if least <= limit:
+            return None
+        return PlanError(
+            f"the plan for `max_batch={max_batch}`, `max_seq_len={seq}` needs "
+            f"{format_bytes(least)} before XLA's temporaries (weights {format_bytes(weights)}, "
+            f"scratch {format_bytes(least - weights)}), over the budget of {format_bytes(limit)}; "
+            f"{_fitting(_fit(make, floor, limit, generator.config, known()), max_batch)}"
+        )
+
     decls = generator.declarations(model)
     if generator.partitioner is not None:
         generator.partitioner.check_batch(max_batch)
     if max_seq_len is not None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"`max_seq_len` must be an integer >= 2, got {max_seq_len!r}")
+        if limit is not None and (refused := over_before_compiling(max_seq_len)):
+            raise refused
         p = make(max_seq_len)
         if limit is not None and p.total_bytes > limit:
             fitted = _fit(make, floor, limit, generator.config, known())
             raise PlanError(p.over_budget_message(limit, fitted))
         return p
-    least = floor(SEQ_STEP)
-    if least > limit:
-        # Known without compiling: the weights and the shortest plan's scratch are over.
-        weights = weights_bytes(model)
-        raise PlanError(
-            f"the plan for `max_batch={max_batch}`, `max_seq_len={SEQ_STEP}` needs "
-            f"{format_bytes(least)} before XLA's temporaries (weights {format_bytes(weights)}, "
-            f"scratch {format_bytes(least - weights)}), over the budget of "
-            f"{format_bytes(limit)}; no `max_seq_len` fits at `max_batch={max_batch}`"
-        )
+    if refused := over_before_compiling(SEQ_STEP):
+        raise refused
     best = _fit(make, floor, limit, generator.config, known())
     if best is None:
         raise PlanError(make(SEQ_STEP).over_budget_message(limit, None))
     return best
+
+
+def _fitting(fitting: Plan | None, max_batch: int) -> str:
+    """The end of a refusal: the plan that fits the budget, or that none does."""
+    if fitting is None:
+        return f"no `max_seq_len` fits at `max_batch={max_batch}`"
+    return (
+        f"the largest that fits is `max_seq_len={fitting.max_seq_len}` "
+        f"({format_bytes(fitting.total_bytes)})"
+    )
 
 
 def _layout(generator: Generator, decls, batch: int, seq: int) -> Layout:

@@ -71,13 +71,13 @@ def test_plan_prints_the_bill_without_loading_weights(env):
 
 
 def test_plan_over_budget(env):
-    # Below the weights' bytes no length fits, so the refusal compiles one plan, of the decode
-    # step alone; fitting a budget is `tests/test_plan.py`'s.
+    # Below the weights' bytes no length fits, which the refusal says without compiling a
+    # step; fitting a budget is `tests/test_plan.py`'s.
     out = run(env, "plan", "--max-seq-len", "1024", "--budget", "300MiB", "--steps", "decode")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1
     assert "over the budget" in out.stderr and "`max_seq_len=1024`" in out.stderr
-    assert "no `max_seq_len` fits" in out.stderr
+    assert "no `max_seq_len` fits" in out.stderr and "before XLA's temporaries" in out.stderr
 
 
 # Two processes over 6 devices, less `--process-id`.

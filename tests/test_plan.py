@@ -200,13 +200,15 @@ def test_budget_picks_the_largest_page_that_fits(tmp_path):
         PlanError, match=r"over the budget .* the largest that fits is `max_seq_len="
     ):
         jaxlm.plan(model, max_batch=2, max_seq_len=plan.max_seq_len + 256, budget=budget)
-    # Below the weights nothing fits, which is known without compiling a step.
+    # Below the weights nothing fits, which is known without compiling a step, with or
+    # without a length asked for.
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    with jaxlm.CompileCounter() as compiles, pytest.raises(PlanError) as refused:
-        jaxlm.plan(model, max_batch=2, budget=1000)
-    assert compiles.builds == 0
-    assert "no `max_seq_len` fits" in str(refused.value)
-    assert f"weights {format_bytes(weights)}" in str(refused.value)
+    for seq in (None, 512):
+        with jaxlm.CompileCounter() as compiles, pytest.raises(PlanError) as refused:
+            jaxlm.plan(model, max_batch=2, max_seq_len=seq, budget=1000)
+        assert compiles.builds == 0
+        assert "no `max_seq_len` fits" in str(refused.value)
+        assert f"weights {format_bytes(weights)}" in str(refused.value)
 
 
 def test_parse_bytes():
