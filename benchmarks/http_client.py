@@ -61,9 +61,10 @@ def has_amx() -> bool:
 
 async def stream_one(client, url: str, body: dict, prompt, max_tokens: int) -> dict:
     """One streamed completion: when it was sent, when each chunk with a token came, how many
-    tokens the server says it made, and why it ended."""
+    tokens the server says it made, its text, why it ended, and the server's own `timings`
+    where it sends them (llama.cpp does, with its drafts' counts)."""
     body = {**body, "prompt": prompt, "max_tokens": max_tokens}
-    times, tokens, finish = [], None, None
+    times, pieces, tokens, finish, timings = [], [], None, None, None
     sent = time.perf_counter()
     async with client.stream("POST", url + "/completions", json=body) as r:
         if r.status_code != 200:
@@ -75,18 +76,22 @@ async def stream_one(client, url: str, body: dict, prompt, max_tokens: int) -> d
             chunk = json.loads(line[5:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            timings = chunk.get("timings") or timings
             for choice in chunk.get("choices") or []:
                 # A chunk carries a token unless it only closes the stream: servers end with an
                 # empty text and a finish reason, or put the last held-back text beside it.
                 if choice.get("finish_reason") is None or choice.get("text"):
                     times.append(now)
+                pieces.append(choice.get("text") or "")
                 finish = choice.get("finish_reason") or finish
     return dict(
         arrival=sent,
         times=times,
         tokens=len(times) if tokens is None else tokens,
+        text="".join(pieces),
         finish_reason=finish,
         requested=max_tokens,
+        timings=timings,
     )
 
 
@@ -210,13 +215,18 @@ def jaxlm_server(
     return Server("jaxlm serve", command, port)
 
 
-def llama_server(binary, gguf, port: int, max_num_seqs: int, max_seq_len: int) -> Server:
+def llama_server(
+    binary, gguf, port: int, max_num_seqs: int, max_seq_len: int, spec_type: str | None = None
+) -> Server:
     """llama.cpp's `llama-server` on the GGUF file: a thread per core, `max_num_seqs` slots
-    of `max_seq_len` tokens each, batched continuously. `--no-repack` keeps the weights in the
-    file's layout where AMX would repack them, as `bench.py` runs llama.cpp."""
+    of `max_seq_len` tokens each, batched continuously, drafting with `--spec-type spec_type`
+    where given. `--no-repack` keeps the weights in the file's layout where AMX would repack
+    them, as `bench.py` runs llama.cpp."""
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-t", str(cores()), "-np", str(max_num_seqs), "-c", str(max_num_seqs * max_seq_len)]
     command += ["--cont-batching"]
+    if spec_type is not None:
+        command += ["--spec-type", spec_type]
     if has_amx():
         command += ["--no-repack"]
     return Server("llama-server", command, port)

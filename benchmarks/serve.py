@@ -11,7 +11,8 @@ and output tokens per second, TTFT (arrival to first token), TPOT ((last token -
 / (tokens - 1)) and ITL (gaps between tokens), p50 / p90 / p99.
 
 With `--speculative ngram`, the engine (local, or `jaxlm serve`) drafts tokens from each
-request's own text; the random prompts here never repeat, so this measures what drafting costs
+request's own text, and `llama-server` with `--vs llama.cpp` its own way (`--spec-type
+ngram-simple`); the random prompts here never repeat, so this measures what drafting costs
 where it finds nothing (`benchmarks/speculative.py --engine` measures where it pays).
 
 With `--constrained`, the engine serves the stream once more with every request held to a JSON
@@ -281,8 +282,9 @@ def run_servers(args, requests, vocab: int, tokenizer) -> dict:
             print(f"llama-server not found; build it with:\n{http_client.LLAMA_SERVER_BUILD}")
         else:
             port = http_client.free_port()
+            spec_type = "ngram-simple" if args.speculative else None
             targets["llama.cpp"] = http_client.llama_server(
-                binary, path, port, args.max_num_seqs, longest
+                binary, path, port, args.max_num_seqs, longest, spec_type
             )
     measured = {}
     for name, target in targets.items():

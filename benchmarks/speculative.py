@@ -13,19 +13,30 @@ alone and then every task `--copies` times at once (a mixed load), each request 
 without (`submit(..., speculative=None)`), alternated; tok/s is the tokens after each request's
 first over the time from the first of them to the last.
 
+With `--vs llama.cpp`, the same loads as `--engine` also go to llama.cpp's `llama-server` on the
+same GGUF file, `--max-num-seqs` slots, started once without drafts and once with
+`--spec-type` `--llama-spec-type` (its prompt lookup, `ngram-simple`, unless given), streamed
+over HTTP, greedy; tok/s as the engine's, from the times the chunks arrive, and the drafts from
+the `timings` llama.cpp sends with each answer. Its tokens are its own (the file's 4-bit
+weights), so the table says whether its two runs agree with each other.
+
 Usage: python benchmarks/speculative.py [--model PATH] [--quantize int8] [--tasks A,B]
     [--new-tokens 128] [--repeats 5] [--num-speculative-tokens 3] [--json PATH]
     [--engine [--max-num-seqs 8] [--copies 8] [--max-num-batched-tokens 256]]
+    [--vs llama.cpp [--llama-server PATH] [--llama-spec-type ngram-simple]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import http_client
 
 from jaxlm.bench import OtherLoad, text_table
 
@@ -136,6 +147,15 @@ def _engine_rates(engine, prompts, new_tokens, repeats):
     return statistics.median(rates[None]), statistics.median(rates["ngram"]), same, tokens, counts
 
 
+def _loads(args, prompts) -> dict:
+    """Each task's prompt alone, then every task `--copies` times at once."""
+    loads = {f"{task} (alone)": [ids] for task, ids in prompts.items()}
+    loads[f"all tasks x{args.copies}, {args.max_num_seqs} slots"] = [
+        ids for _ in range(args.copies) for ids in prompts.values()
+    ]
+    return loads
+
+
 def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
     import jaxlm
 
@@ -143,10 +163,7 @@ def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
     sizes = dict(max_num_seqs=args.max_num_seqs, max_seq_len=longest, page_size=16)
     sizes["max_num_batched_tokens"] = args.max_num_batched_tokens
     sizes["num_pages"] = 1 + args.max_num_seqs * -(-longest // 16)
-    loads = {f"{task} (alone)": [ids] for task, ids in prompts.items()}
-    loads[f"all tasks x{args.copies}, {args.max_num_seqs} slots"] = [
-        ids for _ in range(args.copies) for ids in prompts.values()
-    ]
+    loads = _loads(args, prompts)
     results = []
     drafts = args.num_speculative_tokens
     with jaxlm.LLMEngine(
@@ -171,6 +188,84 @@ def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
     return results
 
 
+def _llama_cpp_rate(url: str, body: dict, prompts, new_tokens: int):
+    """One load streamed to llama.cpp at once: tok/s as `_engine_rates` counts them, each
+    answer's text, the tokens of all, and the drafts kept and proposed (its `timings`)."""
+    runs = http_client.run_http(url, body, [(0.0, p, new_tokens) for p in prompts], prompts)
+    first = min(r["times"][0] for r in runs)
+    last = max(r["times"][-1] for r in runs)
+    rate = sum(r["tokens"] - 1 for r in runs) / max(last - first, 1e-9)
+    timings = [r["timings"] or {} for r in runs]
+    kept = sum(t.get("draft_n_accepted", 0) for t in timings)
+    made = sum(t.get("draft_n", 0) for t in timings)
+    return rate, [r["text"] for r in runs], sum(r["tokens"] for r in runs), (kept, made)
+
+
+def _llama_cpp_main(args, prompts) -> tuple[list[dict], str | None]:
+    """The loads of `--engine` through `llama-server` without drafts and with them; the rows,
+    or none and why."""
+    from jaxlm.loading import default_model_path
+
+    path = Path(args.model) if args.model else default_model_path()
+    binary = args.llama_server or os.environ.get("LLAMA_SERVER")
+    if path.suffix != ".gguf":
+        return [], f"{path} is no GGUF file"
+    if binary is None or not Path(binary).is_file():
+        return [], "no llama-server: give --llama-server PATH or LLAMA_SERVER"
+    longest = max(len(p) for p in prompts.values()) + args.new_tokens
+    loads = _loads(args, prompts)
+    measured = {}  # way -> load -> (rates, texts, counts)
+    for how in (None, args.llama_spec_type):
+        server = http_client.llama_server(
+            binary, path, http_client.free_port(), args.max_num_seqs, longest, how
+        )
+        with server:
+            url = server.url + "/v1"
+            body = dict(stream=True, temperature=0, stream_options={"include_usage": True})
+            measured[how] = {}
+            for name, load in loads.items():
+                _llama_cpp_rate(url, body, load, args.new_tokens)
+                runs = [
+                    _llama_cpp_rate(url, body, load, args.new_tokens) for _ in range(args.repeats)
+                ]
+                rate = statistics.median(r[0] for r in runs)
+                measured[how][name] = (rate, *runs[-1][1:])
+    rows = []
+    for name in loads:
+        plain, texts, _, _ = measured[None][name]
+        drafted, drafted_texts, tokens, (kept, made) = measured[args.llama_spec_type][name]
+        rows.append(
+            dict(
+                task=name,
+                tokens=tokens,
+                plain_tok_s=plain,
+                ngram_tok_s=drafted,
+                ratio=drafted / plain,
+                drafted=made,
+                accepted=kept,
+                same_tokens=texts == drafted_texts,
+            )
+        )
+    return rows, None
+
+
+def _print_table(results, way: str) -> None:
+    rows = [
+        (
+            r["task"],
+            str(r["tokens"]),
+            f"{r['plain_tok_s']:.1f}",
+            f"{r['ngram_tok_s']:.1f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['accepted']} / {r['drafted']}",
+            "yes" if r["same_tokens"] else "NO",
+        )
+        for r in results
+    ]
+    header = ("task", "tokens", "plain tok/s", f"{way} tok/s", "ratio", "kept / drafted", "same")
+    print("\n".join(text_table(header, rows)))
+
+
 def main(argv: list[str] | None = None) -> int:
     import jaxlm
 
@@ -188,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's slots")
     p.add_argument("--copies", type=int, default=8, help="each task's requests in the mixed load")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="the engine's step")
+    p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
+    p.add_argument("--llama-server", default=None, help="llama.cpp's server binary")
+    p.add_argument(
+        "--llama-spec-type", default="ngram-simple", help="llama-server's `--spec-type` drafts"
+    )
     args = p.parse_args(argv)
     model, tokenizer = jaxlm.load(args.model, progress=False, quantize=args.quantize)
     prompts = {
@@ -203,23 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results = [_generate_result(model, tokenizer, t, p, args) for t, p in prompts.items()]
     busy = load.cores
-    rows = [
-        (
-            r["task"],
-            str(r["tokens"]),
-            f"{r['plain_tok_s']:.1f}",
-            f"{r['ngram_tok_s']:.1f}",
-            f"{r['ratio']:.2f}x",
-            f"{r['accepted']} / {r['drafted']}",
-            "yes" if r["same_tokens"] else "NO",
-        )
-        for r in results
-    ]
-    header = ("task", "tokens", "plain tok/s", "ngram tok/s", "ratio", "kept / drafted", "same")
-    print("\n".join(text_table(header, rows)))
+    _print_table(results, "ngram")
     print(f"load: {busy:.2f} cores kept busy by other processes (above 0.1: measure again)")
+    report = dict(results=results, load=busy)
+    if "llama.cpp" in args.vs:
+        report["llama.cpp"], skipped = _llama_cpp_main(args, prompts)
+        report["skipped"] = {"llama.cpp": skipped} if skipped else {}
+        if skipped:
+            print(f"llama.cpp skipped: {skipped}")
+        else:
+            print(f"\nllama.cpp's llama-server, --spec-type {args.llama_spec_type}:")
+            _print_table(report["llama.cpp"], args.llama_spec_type)
     if args.json is not None:
-        args.json.write_text(json.dumps(dict(results=results, load=busy), indent=1))
+        args.json.write_text(json.dumps(report, indent=1))
     return 0 if all(r["same_tokens"] for r in results) else 1
 
 

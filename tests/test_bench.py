@@ -248,7 +248,13 @@ def test_serve_benchmark_times_every_request(tiny_tied, tmp_path, capsys):
 @pytest.mark.parametrize(
     "engine",
     # Steps of at most 64 tokens: the engine compiles 5 shapes of prompt chunks, not 9.
-    [[], ["--engine", "--max-num-seqs", "2", "--copies", "2", "--max-num-batched-tokens", "64"]],
+    [
+        [],
+        [
+            *("--engine", "--max-num-seqs", "2", "--copies", "2"),
+            *("--max-num-batched-tokens", "64", "--vs", "llama.cpp"),
+        ],
+    ],
     ids=["generate", "engine"],
 )
 def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_path, engine):
@@ -264,6 +270,11 @@ def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_pa
     assert all(r["same_tokens"] and r["accepted"] <= r["drafted"] for r in results)
     assert all(r["drafted"] % 2 == 0 for r in results)
     assert all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in results)
+    if engine:
+        # llama.cpp runs GGUF files only, and says so rather than failing the run.
+        report = json.loads(out.read_text())
+        assert report["llama.cpp"] == []
+        assert report["skipped"] == {"llama.cpp": f"{tiny_chat} is no GGUF file"}
 
 
 def test_serve_benchmark_over_http_times_every_request(tiny_chat, tmp_path):
