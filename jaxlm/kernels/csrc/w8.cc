@@ -162,7 +162,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void TileVnni(const int8_
 }
 
 struct Avx2Path {
-  static constexpr int kRows = 2;
+  // Two rows of four digit vectors fill AVX2's 16 registers with accumulators and digits.
+  static constexpr int kMostRows = 2;
   template <int NR, int ND>
   static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride, const int32_t*,
                    int32_t* out, int count) {
@@ -171,7 +172,7 @@ struct Avx2Path {
 };
 
 struct VnniPath {
-  static constexpr int kRows = 4;
+  static constexpr int kMostRows = 4;
   template <int NR, int ND>
   static void Tile(const int8_t* w, int64_t in, const int8_t* x, int64_t stride,
                    const int32_t* totals, int32_t* out, int count) {
@@ -202,14 +203,24 @@ void TileRows(const int8_t* w, int64_t in, const Digits& x, int32_t* out) {
   }
 }
 
-template <typename Path>
+// Rows [r0, r1), NR at a time.
+template <typename Path, int NR>
 void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
                 int32_t* sums) {
   int64_t r = r0;
-  for (; r + Path::kRows <= r1; r += Path::kRows) {
-    TileRows<Path, Path::kRows>(w + r * in, in, x, sums + (r - r0) * x.count);
-  }
+  for (; r + NR <= r1; r += NR) TileRows<Path, NR>(w + r * in, in, x, sums + (r - r0) * x.count);
   for (; r < r1; ++r) TileRows<Path, 1>(w + r * in, in, x, sums + (r - r0) * x.count);
+}
+
+// The rows a tile takes: several share each load of the digits, which pays for many columns,
+// but a tile reads its rows side by side, and for one or two columns (decode) reading one row
+// after another streams the weights twice as fast (`docs/performance.md`, "Native products").
+template <typename Path>
+void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
+                int32_t* sums) {
+  if (x.count <= 4) return SumsVector<Path, 1>(w, in, x, r0, r1, sums);
+  if (x.count <= 16) return SumsVector<Path, 2>(w, in, x, r0, r1, sums);
+  SumsVector<Path, Path::kMostRows>(w, in, x, r0, r1, sums);
 }
 
 #endif  // JAXLM_X86
