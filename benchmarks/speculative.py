@@ -100,20 +100,28 @@ def _decode_rates(model, tokenizer, prompt, new_tokens, repeats, drafts):
     return [(statistics.median(rates[how]), outs[how]) for how in ways]
 
 
+def _result(task, tokens, plain, drafted, kept, made, same) -> dict:
+    """A row of the table: tok/s without drafts and with them, the drafts kept of those made,
+    and whether the two ways gave the same output."""
+    return dict(
+        task=task,
+        tokens=tokens,
+        plain_tok_s=plain,
+        ngram_tok_s=drafted,
+        ratio=drafted / plain,
+        drafted=made,
+        accepted=kept,
+        same_tokens=same,
+    )
+
+
 def _generate_result(model, tokenizer, task, ids, args) -> dict:
     (plain, base), (drafted, out) = _decode_rates(
         model, tokenizer, ids, args.new_tokens, args.repeats, args.num_speculative_tokens
     )
-    return dict(
-        task=task,
-        tokens=len(out[0].token_ids),
-        plain_tok_s=plain,
-        ngram_tok_s=drafted,
-        ratio=drafted / plain,
-        drafted=out[0].drafted_tokens,
-        accepted=out[0].accepted_tokens,
-        same_tokens=out[0].token_ids == base[0].token_ids,
-    )
+    kept, made = out[0].accepted_tokens, out[0].drafted_tokens
+    same = out[0].token_ids == base[0].token_ids
+    return _result(task, len(out[0].token_ids), plain, drafted, kept, made, same)
 
 
 def _engine_rates(engine, prompts, new_tokens, repeats):
@@ -173,18 +181,7 @@ def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
             plain, drafted, same, tokens, (kept, made) = _engine_rates(
                 engine, load, args.new_tokens, args.repeats
             )
-            results.append(
-                dict(
-                    task=name,
-                    tokens=tokens,
-                    plain_tok_s=plain,
-                    ngram_tok_s=drafted,
-                    ratio=drafted / plain,
-                    drafted=made,
-                    accepted=kept,
-                    same_tokens=same,
-                )
-            )
+            results.append(_result(name, tokens, plain, drafted, kept, made, same))
     return results
 
 
@@ -234,18 +231,7 @@ def _llama_cpp_main(args, prompts) -> tuple[list[dict], str | None]:
     for name in loads:
         plain, texts, _, _ = measured[None][name]
         drafted, drafted_texts, tokens, (kept, made) = measured[args.llama_spec_type][name]
-        rows.append(
-            dict(
-                task=name,
-                tokens=tokens,
-                plain_tok_s=plain,
-                ngram_tok_s=drafted,
-                ratio=drafted / plain,
-                drafted=made,
-                accepted=kept,
-                same_tokens=texts == drafted_texts,
-            )
-        )
+        rows.append(_result(name, tokens, plain, drafted, kept, made, texts == drafted_texts))
     return rows, None
 
 
