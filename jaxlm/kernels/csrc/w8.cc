@@ -214,7 +214,7 @@ void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_
 
 // The rows a tile takes: several share each load of the digits, which pays for many columns,
 // but a tile reads its rows side by side, and for one or two columns (decode) reading one row
-// after another streams the weights twice as fast (`docs/performance.md`, "Native products").
+// after another streams the weights faster (`docs/performance.md`, "Native products").
 template <typename Path>
 void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
                 int32_t* sums) {
