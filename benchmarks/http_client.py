@@ -215,6 +215,18 @@ def jaxlm_server(
     return Server("jaxlm serve", command, port)
 
 
+def llama_server_binary(given, gguf: Path) -> tuple[str | None, str | None]:
+    """The `llama-server` to run on `gguf` (`given`, else `$LLAMA_SERVER`), or None and why
+    not; where there is none, how to build it is printed."""
+    binary = given or os.environ.get("LLAMA_SERVER")
+    if Path(gguf).suffix != ".gguf":
+        return None, f"{gguf} is no GGUF file"
+    if binary is None or not Path(binary).is_file():
+        print(f"llama-server not found; build it with:\n{LLAMA_SERVER_BUILD}")
+        return None, "no llama-server: give --llama-server PATH or LLAMA_SERVER"
+    return binary, None
+
+
 def llama_server(
     binary, gguf, port: int, max_num_seqs: int, max_seq_len: int, spec_type: str | None = None
 ) -> Server:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -274,12 +273,9 @@ def run_servers(args, requests, vocab: int, tokenizer) -> dict:
             args.model, port, args.max_num_seqs, longest, args.page_size, args.speculative
         )
     if "llama.cpp" in args.vs:
-        binary = args.llama_server or os.environ.get("LLAMA_SERVER")
-        if path.suffix != ".gguf":
-            skipped["llama.cpp"] = f"{path} is no GGUF file"
-        elif binary is None or not Path(binary).is_file():
-            skipped["llama.cpp"] = "no llama-server: give --llama-server PATH or LLAMA_SERVER"
-            print(f"llama-server not found; build it with:\n{http_client.LLAMA_SERVER_BUILD}")
+        binary, why = http_client.llama_server_binary(args.llama_server, path)
+        if binary is None:
+            skipped["llama.cpp"] = why
         else:
             port = http_client.free_port()
             spec_type = "ngram-simple" if args.speculative else None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -204,11 +203,9 @@ def _llama_cpp_main(args, prompts) -> tuple[list[dict], str | None]:
     from jaxlm.loading import default_model_path
 
     path = Path(args.model) if args.model else default_model_path()
-    binary = args.llama_server or os.environ.get("LLAMA_SERVER")
-    if path.suffix != ".gguf":
-        return [], f"{path} is no GGUF file"
-    if binary is None or not Path(binary).is_file():
-        return [], "no llama-server: give --llama-server PATH or LLAMA_SERVER"
+    binary, why = http_client.llama_server_binary(args.llama_server, path)
+    if binary is None:
+        return [], why
     longest = max(len(p) for p in prompts.values()) + args.new_tokens
     loads = _loads(args, prompts)
     measured = {}  # way -> load -> (rates, texts, counts)

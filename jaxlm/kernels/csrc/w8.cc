@@ -205,8 +205,8 @@ void TileRows(const int8_t* w, int64_t in, const Digits& x, int32_t* out) {
 
 // Rows [r0, r1), NR at a time.
 template <typename Path, int NR>
-void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
-                int32_t* sums) {
+void SumsTiles(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
+               int32_t* sums) {
   int64_t r = r0;
   for (; r + NR <= r1; r += NR) TileRows<Path, NR>(w + r * in, in, x, sums + (r - r0) * x.count);
   for (; r < r1; ++r) TileRows<Path, 1>(w + r * in, in, x, sums + (r - r0) * x.count);
@@ -218,9 +218,9 @@ void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_
 template <typename Path>
 void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
                 int32_t* sums) {
-  if (x.count <= 4) return SumsVector<Path, 1>(w, in, x, r0, r1, sums);
-  if (x.count <= 16) return SumsVector<Path, 2>(w, in, x, r0, r1, sums);
-  SumsVector<Path, Path::kMostRows>(w, in, x, r0, r1, sums);
+  if (x.count <= 4) return SumsTiles<Path, 1>(w, in, x, r0, r1, sums);
+  if (x.count <= 16) return SumsTiles<Path, 2>(w, in, x, r0, r1, sums);
+  SumsTiles<Path, Path::kMostRows>(w, in, x, r0, r1, sums);
 }
 
 #endif  // JAXLM_X86
