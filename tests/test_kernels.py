@@ -33,9 +33,24 @@ def test_library_is_built_and_runs_the_best_path():
     assert ISAS[0] == "portable" and kernels.isa() == ISAS[-1]
 
 
-def w8_reference(q: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """`jaxlm.ops.quantized_matmul`'s product after the rotation: each column of `x` rounded
-    to two int8 digits, multiplied exactly, rescaled in float32 as the kernel does."""
+def rotate(x: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
+    """`x` `[in, cols]` times `signs`, then each block of `block` inputs times the orthonormal
+    Hadamard matrix, as butterflies in float64, rounded to float32 at the end."""
+    v = x.astype(np.float64) * signs[:, None]
+    h = 1
+    while h < block:
+        pairs = v.reshape(-1, 2, h, v.shape[1])
+        v = np.stack([pairs[:, 0] + pairs[:, 1], pairs[:, 0] - pairs[:, 1]], 1).reshape(v.shape)
+        h *= 2
+    return (v / np.sqrt(block)).astype(np.float32)
+
+
+def w8_reference(
+    q: np.ndarray, scale: np.ndarray, x: np.ndarray, signs: np.ndarray, block: int
+) -> np.ndarray:
+    """`jaxlm.ops.quantized_matmul`'s product: each column of `x` rotated, rounded to two int8
+    digits, multiplied exactly, rescaled in float32 as the kernel does."""
+    x = rotate(x, signs, block)
     step = np.abs(x).max(0) / np.float32(127)
     step = np.where(step == 0, np.float32(1), step)
     hi = np.round(x / step)
@@ -47,10 +62,32 @@ def w8_reference(q: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
     return y.reshape(*q.shape[:-1], x.shape[1])
 
 
+def test_the_reference_rotation_is_an_orthonormal_hadamard_transform():
+    rng = np.random.default_rng(0)
+    x, signs = rng.standard_normal((96, 3), np.float32), rng.choice([-1.0, 1.0], 96)
+    h = np.array([[1.0]])
+    while len(h) < 32:
+        h = np.block([[h, h], [h, -h]])
+    blocks = (x * signs[:, None]).reshape(3, 32, 3)
+    expected = np.einsum("ij,bjc->bic", h / np.sqrt(32), blocks).reshape(96, 3)
+    np.testing.assert_allclose(rotate(x, signs, 32), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cols", COLUMNS)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (13, 64), (2, 5, 200), (9, 577)])
-def test_w8_equals_numpy(isa, cols, shape):
+@pytest.mark.parametrize(
+    "shape, block",
+    [
+        ((1, 1), 1),
+        ((7, 33), 1),
+        ((13, 64), 64),
+        ((2, 5, 200), 8),
+        ((3, 96), 32),
+        ((4, 192), 64),
+        ((9, 577), 1),
+    ],
+)
+def test_w8_equals_numpy(isa, cols, shape, block):
     rng = np.random.default_rng(cols)
     q = rng.integers(-128, 128, shape, dtype=np.int8)
     scale = rng.random(shape[:-1], np.float32)
@@ -58,10 +95,12 @@ def test_w8_equals_numpy(isa, cols, shape):
     x[:, 0] *= 1e3  # columns on their own scales
     if cols > 2:
         x[:, 2] = 0  # a column of zeros: its step is 1
+    signs = rng.choice(np.float32([-1, 1]), shape[-1])
     with kernels.limited_to(isa):
-        y = jax.jit(kernels.w8_matmul)(q, scale, x)
-    # Integer sums are exact and the rescaling is the reference's, operation for operation.
-    np.testing.assert_array_equal(np.asarray(y), w8_reference(q, scale, x))
+        y = jax.jit(kernels.w8_matmul, static_argnums=4)(q, scale, x, signs, block)
+    # Integer sums are exact; the rotation and the rescaling are the reference's, operation
+    # for operation.
+    np.testing.assert_array_equal(np.asarray(y), w8_reference(q, scale, x, signs, block))
 
 
 def w4_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -127,12 +166,18 @@ def test_int4_quantize_rounds_to_the_nearest_step():
 
 def test_bad_input_names_the_argument():
     q, scale, x = np.zeros((4, 64), np.int8), np.zeros(4, np.float32), np.zeros((64, 1))
+    signs = np.ones(64, np.float32)
     with pytest.raises(ValueError, match="`scale` must be"):
-        kernels.w8_matmul(q, scale[:3], x)
+        kernels.w8_matmul(q, scale[:3], x, signs, 64)
     with pytest.raises(ValueError, match="`x` must be"):
-        kernels.w8_matmul(q, scale, x[:32])
+        kernels.w8_matmul(q, scale, x[:32], signs, 64)
     with pytest.raises(ValueError, match="`q` must be int8"):
-        kernels.w8_matmul(q.astype(np.int16), scale, x)
+        kernels.w8_matmul(q.astype(np.int16), scale, x, signs, 64)
+    with pytest.raises(ValueError, match=r"`signs` must be \[in\] = \[64\]"):
+        kernels.w8_matmul(q, scale, x, signs[:32], 64)
+    for block in (0, 24, 128):
+        with pytest.raises(ValueError, match="`block` must be a power of two dividing in = 64"):
+            kernels.w8_matmul(q, scale, x, signs, block)
     packed, scales = int4.quantize(jnp.zeros((4, 64)))
     with pytest.raises(ValueError, match="`scales` must be float16"):
         kernels.w4_matmul(packed, scales.astype(jnp.float32), x)
@@ -180,16 +225,18 @@ def test_a_product_loads_the_library_itself(tmp_path):
     rng = np.random.default_rng(0)
     q = rng.integers(-128, 128, (40, 72), dtype=np.int8)
     scale, x = rng.random(40, np.float32), rng.standard_normal((72, 3), np.float32)
-    np.savez(tmp_path / "in.npz", q=q, scale=scale, x=x)
+    signs = rng.choice(np.float32([-1, 1]), 72)
+    np.savez(tmp_path / "in.npz", q=q, scale=scale, x=x, signs=signs)
     code = (
         "import sys, numpy as np\n"
         "from jaxlm import kernels\n"
         "a = np.load(sys.argv[1])\n"
-        "np.save(sys.argv[2], np.asarray(kernels.w8_matmul(a['q'], a['scale'], a['x'])))"
+        "y = kernels.w8_matmul(a['q'], a['scale'], a['x'], a['signs'], 8)\n"
+        "np.save(sys.argv[2], np.asarray(y))"
     )
     out = tmp_path / "out.npy"
     subprocess.run([sys.executable, "-c", code, tmp_path / "in.npz", out], check=True)
-    np.testing.assert_array_equal(np.load(out), w8_reference(q, scale, x))
+    np.testing.assert_array_equal(np.load(out), w8_reference(q, scale, x, signs, 8))
 
 
 def test_a_missing_library_is_reported_once(monkeypatch):

@@ -6,8 +6,9 @@ read where they lie, packed. Two products, each with a path per instruction set 
 it runs (AVX512-VNNI, AVX2, portable C++):
 
 - `w8_matmul`: int8 weights `[..., out, in]` with one float32 scale per row, as
-  `jaxlm.ops.quantize_weight` stores them; each column of the activations is rounded to two
-  int8 digits, as `jaxlm.ops.quantized_matmul` rounds them for XLA's integer dot.
+  `jaxlm.ops.quantize_weight` stores them; each column of the activations is rotated as the
+  weights' input was and rounded to two int8 digits, as `jaxlm.ops.quantized_matmul` rounds
+  them for XLA's integer dot.
 - `w4_matmul`: 4-bit weights in blocks of 32 with a float16 scale and minimum each
   (`jaxlm.kernels.int4`); the activations are rounded to int8 per block of 32.
 
@@ -121,24 +122,35 @@ def _columns(x: jax.Array, k: int, name: str) -> jax.Array:
     return x.reshape(k, math.prod(x.shape[1:])).astype(jnp.float32)
 
 
-def w8_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
-    """`w @ x` for int8 `q` `[..., out, in]` with float32 `scale` `[..., out]` (one per row)
-    and feature-major `x` `[in, ...]`: `[..., out, ...]` in float32, each column of `x` rounded
-    to two int8 digits inside (see `jaxlm.ops.quantized_matmul`).
+def w8_matmul(
+    q: jax.Array, scale: jax.Array, x: jax.Array, signs: jax.Array, block: int
+) -> jax.Array:
+    """`w @ x` for int8 `q` `[..., out, in]` with float32 `scale` `[..., out]` (one per row),
+    stored after a rotation of their input (`jaxlm.ops.quantize_weight`), and feature-major `x`
+    `[in, ...]`: `[..., out, ...]` in float32. Each column of `x` is rotated inside as the
+    weight's input was, multiplied by `signs` `[in]` and then by orthonormal Hadamard blocks of
+    `block` inputs (a power of two dividing `in`), and rounded to two int8 digits (see
+    `jaxlm.ops.quantized_matmul`).
 
     Example:
-        >>> y = jaxlm.kernels.w8_matmul(q, scale, x)
+        >>> y = jaxlm.kernels.w8_matmul(q, scale, x, signs, 64)
     """
     _registered()
     if q.dtype != jnp.int8 or q.ndim < 2:
         raise ValueError(f"`q` must be int8 [..., out, in], got {q.dtype} {q.shape}")
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"`scale` must be [..., out] = {q.shape[:-1]}, got {scale.shape}")
-    if q.shape[-1] > W8_MAX_IN:
-        raise ValueError(f"`q` may have at most {W8_MAX_IN} inputs, got {q.shape[-1]}")
-    flat = _columns(x, q.shape[-1], "in")
+    k = q.shape[-1]
+    if k > W8_MAX_IN:
+        raise ValueError(f"`q` may have at most {W8_MAX_IN} inputs, got {k}")
+    if jnp.shape(signs) != (k,):
+        raise ValueError(f"`signs` must be [in] = [{k}], got shape {jnp.shape(signs)}")
+    if block < 1 or block & (block - 1) or k % block:
+        raise ValueError(f"`block` must be a power of two dividing in = {k}, got {block}")
+    flat = _columns(x, k, "in")
     out = jax.ShapeDtypeStruct((*q.shape[:-1], flat.shape[1]), jnp.float32)
-    y = jax.ffi.ffi_call("jaxlm_w8_matmul", out)(q, scale.astype(jnp.float32), flat)
+    call = jax.ffi.ffi_call("jaxlm_w8_matmul", out)
+    y = call(q, scale.astype(jnp.float32), flat, jnp.asarray(signs, jnp.float32), block=block)
     return y.reshape(*q.shape[:-1], *x.shape[1:])
 
 

@@ -287,8 +287,9 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
       folded into the weight) halves what the weights' rounding costs (see
       `docs/performance.md`, "8-bit products").
     - One CPU device with jaxlm's native kernels (`jaxlm.kernels`), up to 8 columns, or any
-      number on their AVX512-VNNI path: the same two digits, in a custom call that reads the
-      int8 weight once for both; XLA's integer dot streamed the weights at a third of the
+      number on their AVX512-VNNI path: the same two digits, in a custom call that rotates the
+      input itself (two fewer operations a product for XLA to run) and reads the int8 weight
+      once for both digits; XLA's integer dot streamed the weights at a third of the
       memory's speed, but ran more columns (a prompt chunk) faster than the kernels did
       before their AVX512-VNNI path kept its sums in registers; the other paths were not
       measured again (see `docs/performance.md`, "Native products").
@@ -305,11 +306,12 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
         return int4.matmul(q, scale, x.reshape(x.shape[0], -1)).reshape(*q.shape[:-1], *x.shape[1:])
     k = q.shape[-1]
     cols = math.prod(x.shape[1:])
-    flat = _rotate(x.reshape(k, cols), 0)
-    dims = (((q.ndim - 1,), (0,)), ((), ()))
     vnni = kernels.isa() == "avx512_vnni"
     if native and k <= kernels.W8_MAX_IN and (cols <= _NATIVE_W8_COLUMNS or vnni):
-        return kernels.w8_matmul(q, scale, flat).reshape(*q.shape[:-1], *x.shape[1:])
+        signs, h = _rotation(k)
+        return kernels.w8_matmul(q, scale, x, signs, h.shape[0])
+    flat = _rotate(x.reshape(k, cols), 0)
+    dims = (((q.ndim - 1,), (0,)), ((), ()))
     if platform() == "cpu":
         y = _in_two_digits(q, flat.astype(jnp.float32), dims)
     else:

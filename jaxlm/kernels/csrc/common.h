@@ -30,6 +30,21 @@ inline int64_t RoundUp(int64_t n, int64_t multiple) {
 // call, so that loops of it vectorize: adding 1.5 * 2^23 leaves no fraction to keep.
 inline float RoundEven(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
+// The largest |x[i]| of `n` values, compared as the bits of |x|, which order as the values do:
+// the loop vectorizes, where `std::fmax` is a library call a value. A NaN compares above every
+// value and makes its column's step NaN.
+inline float AbsMax(const float* x, int64_t n) {
+  int32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    top = std::max(top, bits & 0x7fffffff);
+  }
+  float amax;
+  std::memcpy(&amax, &top, sizeof amax);
+  return amax;
+}
+
 // IEEE half to float, for the portable path (the vector paths convert in hardware).
 inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

@@ -6,7 +6,6 @@
 // multiply them as they are read.
 // A row takes the columns four at a time; from `kPanelColumns` columns on (a prompt chunk), the
 // AVX512-VNNI path multiplies panels of 16 rows instead (`RowsPanels`).
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -45,19 +44,20 @@ Activations Round(const float* x, int64_t in, int64_t cols) {
                 std::vector<float>(cols * supers * 16, 0.0f), supers};
   for (int64_t c = 0; c < cols; ++c) {
     for (int64_t b = 0; b < blocks; ++b) {
-      float amax = 0.0f;
-      for (int64_t e = 0; e < kBlock; ++e) {
-        amax = std::fmax(amax, std::fabs(x[(b * kBlock + e) * cols + c]));
-      }
-      const float step = amax / 127.0f;
+      float v[kBlock];
+      for (int64_t e = 0; e < kBlock; ++e) v[e] = x[(b * kBlock + e) * cols + c];
+      const float step = AbsMax(v, kBlock) / 127.0f;
+      // A block of zeros has no step; dividing its zeros by one keeps the loop free of branches.
+      const float divisor = step == 0.0f ? 1.0f : step;
       const int64_t super = c * supers + b / kSuper, lane = 4 * (b % kSuper);
       int8_t* values = a.values.data() + super * 128 + 16 * (b % kSuper);
       int32_t sum = 0;
-      for (int64_t e = 0; e < kBlock; ++e) {
-        const float v = x[(b * kBlock + e) * cols + c];
-        const int q = step == 0.0f ? 0 : static_cast<int>(RoundEven(v / step));
-        values[(e / 16) * 64 + e % 16] = static_cast<int8_t>(q);
-        sum += q;
+      for (int64_t half = 0; half < 2; ++half) {
+        for (int64_t e = 0; e < 16; ++e) {
+          const int q = static_cast<int>(RoundEven(v[16 * half + e] / divisor));
+          values[64 * half + e] = static_cast<int8_t>(q);
+          sum += q;
+        }
       }
       for (int i = 0; i < 4; ++i) a.scale[super * 16 + lane + i] = step;
       a.offset[super * 16 + lane] = step * static_cast<float>(sum);

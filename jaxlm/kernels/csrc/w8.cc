@@ -1,9 +1,13 @@
-// `w @ x` for int8 weights with one float32 scale per row and float32 activations, each column
-// of `x` rounded inside to two int8 digits sharing one step (as `jaxlm.ops.quantized_matmul`
-// rounds them for XLA's integer dot): the weights are read once for both digits, which is the
-// cost of a decode step. The integer sums are exact, so every path gives the same bits.
+// `w @ x` for int8 weights with one float32 scale per row, stored after a rotation of their
+// input (`jaxlm.ops.quantize_weight`), and float32 activations, each column of `x` rotated the
+// same way and rounded inside to two int8 digits sharing one step (as
+// `jaxlm.ops.quantized_matmul` rounds them for XLA's integer dot): the weights are read once
+// for both digits, which is the cost of a decode step. The integer sums are exact, so every
+// path gives the same bits.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -30,22 +34,75 @@ struct Digits {
   int count;
 };
 
-Digits Round(const float* x, int64_t in, int64_t cols) {
+// Four doubles in GCC's and Clang's vector extension, built for whatever the library targets.
+typedef double Double4 __attribute__((vector_size(32)));
+
+// The unnormalized Hadamard transform of 64 values, the butterflies of `Rotate` in its order:
+// the first two within each vector of four (a lane's partner brought by a shuffle, its sign by
+// a multiplication by +-1, exact), the others between vectors. It vectorizes, where the loop's
+// first butterflies pair neighbours.
+void Hadamard64(double* v) {
+  Double4 r[16];
+  std::memcpy(r, v, sizeof r);
+  const Double4 s1 = {1, -1, 1, -1};
+  const Double4 s2 = {1, 1, -1, -1};
+  for (Double4& x : r) {
+    x = __builtin_shufflevector(x, x, 0, 0, 2, 2) + __builtin_shufflevector(x, x, 1, 1, 3, 3) * s1;
+    x = __builtin_shufflevector(x, x, 0, 1, 0, 1) + __builtin_shufflevector(x, x, 2, 3, 2, 3) * s2;
+  }
+  for (int h = 1; h < 16; h *= 2) {
+    for (int i = 0; i < 16; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const Double4 a = r[j], b = r[j + h];
+        r[j] = a + b;
+        r[j + h] = a - b;
+      }
+    }
+  }
+  std::memcpy(v, r, sizeof r);
+}
+
+// Column c of `x` [in, cols] rotated into `v`: times `signs`, then an orthonormal Hadamard
+// transform of each block of `block` inputs, as butterflies (the tests' NumPy reference takes
+// the same steps). In doubles, each value comes out as the exact rotation rounded once to
+// float, whatever the order of the sums, and so do its digits.
+void Rotate(const float* x, int64_t in, int64_t cols, int64_t c, const float* signs, int64_t block,
+            double* sums, float* v) {
+  for (int64_t k = 0; k < in; ++k) sums[k] = double{x[k * cols + c]} * signs[k];
+  if (block == 64) {
+    for (int64_t k = 0; k < in; k += 64) Hadamard64(sums + k);
+  } else {
+    for (int64_t h = 1; h < block; h *= 2) {
+      for (int64_t i = 0; i < in; i += 2 * h) {
+        for (int64_t j = i; j < i + h; ++j) {
+          const double a = sums[j], b = sums[j + h];
+          sums[j] = a + b;
+          sums[j + h] = a - b;
+        }
+      }
+    }
+  }
+  const double root = std::sqrt(static_cast<double>(block));
+  for (int64_t k = 0; k < in; ++k) v[k] = static_cast<float>(sums[k] / root);
+}
+
+Digits Round(const float* x, int64_t in, int64_t cols, const float* signs, int64_t block) {
   Digits d{std::vector<int8_t>(2 * cols * RoundUp(in, 64), 0), std::vector<int32_t>(2 * cols, 0),
            std::vector<float>(cols), RoundUp(in, 64), static_cast<int>(2 * cols)};
+  std::vector<double> sums(in);
+  std::vector<float> rotated(in);
   for (int64_t c = 0; c < cols; ++c) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < in; ++k) amax = std::fmax(amax, std::fabs(x[k * cols + c]));
-    float step = amax / 127.0f;
+    Rotate(x, in, cols, c, signs, block, sums.data(), rotated.data());
+    float step = AbsMax(rotated.data(), in) / 127.0f;
     step = step == 0.0f ? 1.0f : step;
     const float finer = kDigit / step;
     int8_t* hi = d.values.data() + 2 * c * d.stride;
     int8_t* lo = hi + d.stride;
     int32_t hi_total = 0, lo_total = 0;
     for (int64_t k = 0; k < in; ++k) {
-      const float v = x[k * cols + c];
+      const float v = rotated[k];
       const float h = RoundEven(v / step);
-      const float l = std::fmin(127.0f, std::fmax(-127.0f, RoundEven((v - h * step) * finer)));
+      const float l = std::min(127.0f, std::max(-127.0f, RoundEven((v - h * step) * finer)));
       hi[k] = static_cast<int8_t>(h);
       lo[k] = static_cast<int8_t>(l);
       hi_total += hi[k];
@@ -235,7 +292,8 @@ void Sums(Isa isa, const int8_t* w, int64_t in, const Digits& x, int64_t r0, int
 }
 
 ffi::Error W8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                    ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> signs, int64_t block,
+                    ffi::ResultBuffer<ffi::F32> y) {
   const auto dims = q.dimensions();
   const auto xdims = x.dimensions();
   if (dims.size() < 2 || xdims.size() != 2 || xdims[0] != dims.back()) {
@@ -246,8 +304,13 @@ ffi::Error W8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
   if (rows * in != static_cast<int64_t>(q.element_count())) {
     return ffi::Error::InvalidArgument("w8_matmul: `scale` needs one value per row of `q`");
   }
+  if (static_cast<int64_t>(signs.element_count()) != in || block < 1 || in % block != 0 ||
+      (block & (block - 1)) != 0) {
+    return ffi::Error::InvalidArgument(
+        "w8_matmul: `signs` needs one value per input, `block` a power of two dividing them");
+  }
   const Isa isa = ActiveIsa();
-  const Digits digits = Round(x.typed_data(), in, cols);
+  const Digits digits = Round(x.typed_data(), in, cols, signs.typed_data(), block);
   const int8_t* w = q.typed_data();
   const float* s = scale.typed_data();
   float* out = y->typed_data();
@@ -276,4 +339,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlmW8Matmul, jaxlm::W8Matmul,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("block")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
