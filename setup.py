@@ -20,9 +20,10 @@ def _extensions() -> list[Extension]:
             sources=[str(CSRC / name) for name in ("isa.cc", "w8.cc", "w4.cc")],
             include_dirs=[str(Path(jaxlib.__file__).parent / "include")],
             depends=[str(CSRC / "common.h")],
-            # ISO C++17: no fused multiply-adds contracted from the rounding of activations,
-            # which must round as `jaxlm.ops` rounds them for XLA.
-            extra_compile_args=["-std=c++17", "-O3", "-g0"],
+            # No fused multiply-adds contracted from the rounding of activations, which must
+            # round as `jaxlm.ops` rounds them for XLA, in every path's build (GCC contracts
+            # C++ wherever the target has them).
+            extra_compile_args=["-std=c++17", "-O3", "-g0", "-ffp-contract=off"],
             language="c++",
             optional=True,
         )

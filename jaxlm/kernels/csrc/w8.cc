@@ -41,7 +41,7 @@ typedef double Double4 __attribute__((vector_size(32)));
 // the first two within each vector of four (a lane's partner brought by a shuffle, its sign by
 // a multiplication by +-1, exact), the others between vectors. It vectorizes, where the loop's
 // first butterflies pair neighbours.
-void Hadamard64(double* v) {
+__attribute__((always_inline)) inline void Hadamard64(double* v) {
   Double4 r[16];
   std::memcpy(r, v, sizeof r);
   const Double4 s1 = {1, -1, 1, -1};
@@ -66,8 +66,9 @@ void Hadamard64(double* v) {
 // transform of each block of `block` inputs, as butterflies (the tests' NumPy reference takes
 // the same steps). In doubles, each value comes out as the exact rotation rounded once to
 // float, whatever the order of the sums, and so do its digits.
-void Rotate(const float* x, int64_t in, int64_t cols, int64_t c, const float* signs, int64_t block,
-            double* sums, float* v) {
+__attribute__((always_inline)) inline void Rotate(const float* x, int64_t in, int64_t cols,
+                                                  int64_t c, const float* signs, int64_t block,
+                                                  double* sums, float* v) {
   for (int64_t k = 0; k < in; ++k) sums[k] = double{x[k * cols + c]} * signs[k];
   if (block == 64) {
     for (int64_t k = 0; k < in; k += 64) Hadamard64(sums + k);
@@ -86,32 +87,61 @@ void Rotate(const float* x, int64_t in, int64_t cols, int64_t c, const float* si
   for (int64_t k = 0; k < in; ++k) v[k] = static_cast<float>(sums[k] / root);
 }
 
-Digits Round(const float* x, int64_t in, int64_t cols, const float* signs, int64_t block) {
+// Column c's digits into `d`, its rotation in `sums` and `rotated` ([in] each).
+__attribute__((always_inline)) inline void RoundColumn(const float* x, int64_t in, int64_t cols,
+                                                       int64_t c, const float* signs, int64_t block,
+                                                       double* sums, float* rotated, Digits& d) {
+  Rotate(x, in, cols, c, signs, block, sums, rotated);
+  float step = AbsMax(rotated, in) / 127.0f;
+  step = step == 0.0f ? 1.0f : step;
+  const float finer = kDigit / step;
+  int8_t* hi = d.values.data() + 2 * c * d.stride;
+  int8_t* lo = hi + d.stride;
+  int32_t hi_total = 0, lo_total = 0;
+  for (int64_t k = 0; k < in; ++k) {
+    const float v = rotated[k];
+    const float h = RoundEven(v / step);
+    const float l = std::min(127.0f, std::max(-127.0f, RoundEven((v - h * step) * finer)));
+    hi[k] = static_cast<int8_t>(h);
+    lo[k] = static_cast<int8_t>(l);
+    hi_total += hi[k];
+    lo_total += lo[k];
+  }
+  d.totals[2 * c] = hi_total;
+  d.totals[2 * c + 1] = lo_total;
+  d.steps[c] = step;
+}
+
+// `RoundColumn` built for each path's vector width: the same operations, so the same bits, and
+// on a decode step's short columns a measurable share of the product's time
+// (`docs/performance.md`, "Native products").
+#define JAXLM_ROUND_COLUMN(name, attributes)                                                    \
+  attributes void name(const float* x, int64_t in, int64_t cols, int64_t c, const float* signs, \
+                       int64_t block, double* sums, float* rotated, Digits& d) {                \
+    RoundColumn(x, in, cols, c, signs, block, sums, rotated, d);                                \
+  }
+JAXLM_ROUND_COLUMN(RoundColumnPortable, )
+#ifdef JAXLM_X86
+JAXLM_ROUND_COLUMN(RoundColumnAvx2, __attribute__((target("avx2"))))
+JAXLM_ROUND_COLUMN(RoundColumnAvx512, __attribute__((target("avx512f,avx512bw"))))
+#endif
+
+// Every column's digits, the columns split over XLA's threads (a prompt chunk's are many).
+Digits Round(ffi::ThreadPool& pool, Isa isa, const float* x, int64_t in, int64_t cols,
+             const float* signs, int64_t block) {
   Digits d{std::vector<int8_t>(2 * cols * RoundUp(in, 64), 0), std::vector<int32_t>(2 * cols, 0),
            std::vector<float>(cols), RoundUp(in, 64), static_cast<int>(2 * cols)};
-  std::vector<double> sums(in);
-  std::vector<float> rotated(in);
-  for (int64_t c = 0; c < cols; ++c) {
-    Rotate(x, in, cols, c, signs, block, sums.data(), rotated.data());
-    float step = AbsMax(rotated.data(), in) / 127.0f;
-    step = step == 0.0f ? 1.0f : step;
-    const float finer = kDigit / step;
-    int8_t* hi = d.values.data() + 2 * c * d.stride;
-    int8_t* lo = hi + d.stride;
-    int32_t hi_total = 0, lo_total = 0;
-    for (int64_t k = 0; k < in; ++k) {
-      const float v = rotated[k];
-      const float h = RoundEven(v / step);
-      const float l = std::min(127.0f, std::max(-127.0f, RoundEven((v - h * step) * finer)));
-      hi[k] = static_cast<int8_t>(h);
-      lo[k] = static_cast<int8_t>(l);
-      hi_total += hi[k];
-      lo_total += lo[k];
-    }
-    d.totals[2 * c] = hi_total;
-    d.totals[2 * c + 1] = lo_total;
-    d.steps[c] = step;
-  }
+  auto column = RoundColumnPortable;
+#ifdef JAXLM_X86
+  if (isa == kAvx512Vnni) column = RoundColumnAvx512;
+  if (isa == kAvx2) column = RoundColumnAvx2;
+#endif
+  ParallelRows(pool, cols, RowGrain(pool, cols, 1), [&](int64_t c0, int64_t c1) {
+    std::vector<double> sums(in);
+    std::vector<float> rotated(in);
+    for (int64_t c = c0; c < c1; ++c)
+      column(x, in, cols, c, signs, block, sums.data(), rotated.data(), d);
+  });
   return d;
 }
 
@@ -310,7 +340,7 @@ ffi::Error W8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
         "w8_matmul: `signs` needs one value per input, `block` a power of two dividing them");
   }
   const Isa isa = ActiveIsa();
-  const Digits digits = Round(x.typed_data(), in, cols, signs.typed_data(), block);
+  const Digits digits = Round(pool, isa, x.typed_data(), in, cols, signs.typed_data(), block);
   const int8_t* w = q.typed_data();
   const float* s = scale.typed_data();
   float* out = y->typed_data();
