@@ -64,8 +64,9 @@ __attribute__((always_inline)) inline void Hadamard64(double* v) {
 
 // Column c of `x` [in, cols] rotated into `v`: times `signs`, then an orthonormal Hadamard
 // transform of each block of `block` inputs, as butterflies (the tests' NumPy reference takes
-// the same steps). In doubles, each value comes out as the exact rotation rounded once to
-// float, whatever the order of the sums, and so do its digits.
+// the same steps). In doubles the sums of a block's floats are exact unless their magnitudes
+// lie some 30 binary orders apart, so each value comes out as the exact rotation rounded once
+// to float, whatever the order of the sums, and so do its digits.
 __attribute__((always_inline)) inline void Rotate(const float* x, int64_t in, int64_t cols,
                                                   int64_t c, const float* signs, int64_t block,
                                                   double* sums, float* v) {
