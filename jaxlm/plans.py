@@ -41,7 +41,9 @@ def shapes(
 ) -> tuple[int, int, int, int]:
     """(batch rows, prompt length, cache length, prefill chunk) for a request; without a plan,
     the rows are a multiple of `data`, the devices that split the batch, and the cache has
-    `spare` slots more (for drafts past the last token).
+    `spare` slots more (for drafts past the last token), past the bucket rather than in it:
+    every step's attention reads the slots a bucket of the new tokens and the drafts would have
+    doubled (`docs/performance.md`, "Speculative decoding").
     """
     n = len(req.prompts)
     chunk = DEFAULT_PREFILL_CHUNK
@@ -70,7 +72,7 @@ def shapes(
         return given.max_batch, p, seq, min(p, chunk)
     p = bucket(longest, MIN_PROMPT_BUCKET)
     rows = data * math.ceil(bucket(n, 1) / data)
-    return rows, p, p + bucket(req.max_new_tokens + spare, MIN_NEW_TOKENS_BUCKET), min(p, chunk)
+    return rows, p, p + bucket(req.max_new_tokens, MIN_NEW_TOKENS_BUCKET) + spare, min(p, chunk)
 
 
 def data_devices(model) -> int:

@@ -84,6 +84,21 @@ def test_greedy_tokens_are_the_same_with_drafts(tiny_llama, new_tokens):
         assert min(o.accepted_tokens for o in drafted) > 0
 
 
+def test_a_plan_with_drafts_holds_their_slots_and_no_more(tiny_llama):
+    # Every step's attention reads every slot of the plan's cache: a bucket of the new tokens
+    # and the drafts together would double it for a power of two of new tokens.
+    model, _ = jaxlm.load(tiny_llama[0])
+    kwargs = dict(max_new_tokens=16, stop_token_ids=[])
+    plain = jaxlm.generate(model, None, LOOPS[:1], **kwargs)
+    seq = jaxlm.plans_of(model)[0].max_seq_len
+    drafted = jaxlm.generate(
+        model, None, LOOPS[:1], speculative="ngram", num_speculative_tokens=3, **kwargs
+    )
+    assert jaxlm.plans_of(model)[0].num_speculative_tokens == 3
+    assert jaxlm.plans_of(model)[0].max_seq_len == seq + 3
+    assert drafted[0].token_ids == plain[0].token_ids
+
+
 @pytest.mark.parametrize("drafts", [1, 5])
 def test_every_draft_count_gives_the_same_tokens(tiny_llama, drafts):
     model, _ = jaxlm.load(tiny_llama[0])
