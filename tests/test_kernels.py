@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_bench import load_benchmark
+from test_int8 import rotation
 
 from jaxlm import kernels, ops
 from jaxlm.kernels import int4
@@ -62,15 +63,12 @@ def w8_reference(
     return y.reshape(*q.shape[:-1], x.shape[1])
 
 
-def test_the_reference_rotation_is_an_orthonormal_hadamard_transform():
-    rng = np.random.default_rng(0)
-    x, signs = rng.standard_normal((96, 3), np.float32), rng.choice([-1.0, 1.0], 96)
-    h = np.array([[1.0]])
-    while len(h) < 32:
-        h = np.block([[h, h], [h, -h]])
-    blocks = (x * signs[:, None]).reshape(3, 32, 3)
-    expected = np.einsum("ij,bjc->bic", h / np.sqrt(32), blocks).reshape(96, 3)
-    np.testing.assert_allclose(rotate(x, signs, 32), expected, rtol=1e-5, atol=1e-5)
+def test_the_reference_rotation_is_the_int8_weights_rotation():
+    # With the signs `jaxlm.ops` draws for 96 inputs and its block of 32, `rotate` is the
+    # rotation `tests/test_int8.py` writes out as a matrix.
+    x = np.random.default_rng(0).standard_normal((96, 3), np.float32)
+    signs = np.random.default_rng(96).choice(np.float32([-1, 1]), 96)
+    np.testing.assert_allclose(rotate(x, signs, 32), rotation(96) @ x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
