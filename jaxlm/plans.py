@@ -41,9 +41,9 @@ def shapes(
 ) -> tuple[int, int, int, int]:
     """(batch rows, prompt length, cache length, prefill chunk) for a request; without a plan,
     the rows are a multiple of `data`, the devices that split the batch, and the cache has
-    `spare` slots more (for drafts past the last token), past the bucket rather than in it:
-    every step's attention reads the slots a bucket of the new tokens and the drafts would have
-    doubled (`docs/performance.md`, "Speculative decoding").
+    `spare` slots more (for drafts past the last token), added after the bucket: every step's
+    attention reads every slot, and a bucket of the new tokens and the drafts together doubled
+    them for a power of two of new tokens (`docs/performance.md`, "Speculative decoding").
     """
     n = len(req.prompts)
     chunk = DEFAULT_PREFILL_CHUNK
