@@ -81,6 +81,11 @@ def test_chat_completion_equals_chat(smollm2, client):
     assert out.usage.completion_tokens == len(expected.token_ids)
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.choices[0].finish_reason == expected.finish_reason
+    # An empty list of stop strings is no stop strings, as OpenAI takes it.
+    again = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=40, temperature=0, stop=[]
+    )
+    assert again.choices[0].message.content == expected.text
 
 
 def test_streams_equal_the_whole_answers_and_end_with_usage(client):

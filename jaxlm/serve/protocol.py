@@ -150,7 +150,7 @@ def _common(body: dict, logprobs, max_tokens) -> tuple[dict, int, bool, bool]:
         raise _bad("stop", "`stop` must be a non-empty string or a list of them")
     if stop is not None and len(stop) > MAX_STOP:
         raise _bad("stop", f"`stop` holds at most {MAX_STOP} strings, got {len(stop)}")
-    if stop is not None and max(map(len, stop)) > MAX_STOP_CHARS:
+    if stop is not None and max(map(len, stop), default=0) > MAX_STOP_CHARS:
         raise _bad("stop", f"a `stop` string holds at most {MAX_STOP_CHARS} characters")
     seed = body.get("seed")
     if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**64):
