@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from jaxlm.config_fields import (
+    LAYER_TYPES,
+    RopeScaling,
+    flag,
+    gemma3_rope,
+    int_div,
+    moe_settings,
+    number,
+    optional_number,
+    phi3_config,
+    positive_int,
+    rope_settings,
+    token_id,
+    value_or,
+)
 from jaxlm.errors import LoadError
 
 SUPPORTED_MODEL_TYPES = (
@@ -22,24 +36,6 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen3_moe",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling, as in `rope_scaling` / `rope_parameters` of `config.json`."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    # LongRoPE: each frequency's divisor for short and for long sequences, and the scale of
-    # `cos` and `sin` (see `jaxlm.layers.rope_cos_sin`).
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +56,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = RopeScaling()
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -101,7 +97,7 @@ class ModelConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            _positive_int(getattr(self, name), name)
+            positive_int(getattr(self, name), name)
         if self.num_attention_heads % self.num_key_value_heads:
             raise LoadError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
@@ -114,7 +110,7 @@ class ModelConfig:
         if not self.rms_norm_eps >= 0:
             raise LoadError(f"`rms_norm_eps` must be >= 0, got {self.rms_norm_eps!r}")
         if self.sliding_window is not None:
-            _positive_int(self.sliding_window, "sliding_window")
+            positive_int(self.sliding_window, "sliding_window")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise LoadError(
@@ -140,9 +136,9 @@ class ModelConfig:
                         f"rotary embedding {self.rotary_dim // 2} frequencies"
                     )
         if self.bos_token_id is not None:
-            _token_id(self.bos_token_id, "bos_token_id")
+            token_id(self.bos_token_id, "bos_token_id")
         for token in self.eos_token_id:
-            _token_id(token, "eos_token_id")
+            token_id(token, "eos_token_id")
 
     @property
     def num_kv_groups(self) -> int:
@@ -206,17 +202,17 @@ class ModelConfig:
             raise LoadError(f"unsupported `hidden_act` {config['hidden_act']!r}; only `silu`")
         if config.get("pretraining_tp", 1) != 1:
             raise LoadError("`pretraining_tp` other than 1 is not supported")
-        heads = _positive_int(config["num_attention_heads"], "num_attention_heads")
-        head_dim = config.get("head_dim") or _int_div(
-            _positive_int(config["hidden_size"], "hidden_size"), heads, "hidden_size"
+        heads = positive_int(config["num_attention_heads"], "num_attention_heads")
+        head_dim = config.get("head_dim") or int_div(
+            positive_int(config["hidden_size"], "hidden_size"), heads, "hidden_size"
         )
         local_theta = None
         if gemma3:
-            config, local_theta = _gemma3_rope(config)
+            config, local_theta = gemma3_rope(config)
         phi3 = model_type == "phi3"
         if phi3:
-            config = _phi3_config(config)
-        rope_theta, scaling = _rope_settings(config)
+            config = phi3_config(config)
+        rope_theta, scaling = rope_settings(config)
         if model_type == "qwen2" and config.get("use_sliding_window"):
             raise LoadError("Qwen2 `use_sliding_window` is not supported")
         if model_type in ("qwen3", "qwen3_moe") and config.get("use_sliding_window"):
@@ -227,11 +223,11 @@ class ModelConfig:
         if gemma and layer_types is None:
             # transformers' default: every `sliding_window_pattern`-th layer is full, the others
             # sliding (Gemma 2 alternates them).
-            layers = _positive_int(config["num_hidden_layers"], "num_hidden_layers")
+            layers = positive_int(config["num_hidden_layers"], "num_hidden_layers")
             pattern = 2
             if gemma3:
-                pattern = _positive_int(
-                    _default(config, "sliding_window_pattern", 6), "sliding_window_pattern"
+                pattern = positive_int(
+                    value_or(config, "sliding_window_pattern", 6), "sliding_window_pattern"
                 )
             layer_types = [
                 ("full_attention", "sliding_attention")[bool((i + 1) % pattern)]
@@ -250,27 +246,27 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=config.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            rms_norm_eps=number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=_default(config, "max_position_embeddings", 2048),
-            tie_word_embeddings=_bool(config, "tie_word_embeddings"),
-            attention_bias=model_type == "qwen2" or _bool(config, "attention_bias"),
-            mlp_bias=_bool(config, "mlp_bias"),
+            max_position_embeddings=value_or(config, "max_position_embeddings", 2048),
+            tie_word_embeddings=flag(config, "tie_word_embeddings"),
+            attention_bias=model_type == "qwen2" or flag(config, "attention_bias"),
+            mlp_bias=flag(config, "mlp_bias"),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sliding_window=sliding_window,
             layer_types=None if layer_types is None else tuple(layer_types),
-            query_pre_attn_scalar=_optional_number(config, "query_pre_attn_scalar", gemma),
+            query_pre_attn_scalar=optional_number(config, "query_pre_attn_scalar", gemma),
             # transformers' Gemma 3 leaves `attn_logit_softcapping` out of its attention.
-            attn_logit_softcapping=_optional_number(
+            attn_logit_softcapping=optional_number(
                 config, "attn_logit_softcapping", model_type == "gemma2"
             ),
-            final_logit_softcapping=_optional_number(config, "final_logit_softcapping", gemma),
+            final_logit_softcapping=optional_number(config, "final_logit_softcapping", gemma),
             rope_local_base_freq=local_theta,
             partial_rotary_factor=config["partial_rotary_factor"] if phi3 else 1.0,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
-            **_moe_settings(config, model_type),
+            **moe_settings(config, model_type),
         )
 
     @classmethod
@@ -304,223 +300,3 @@ class ModelConfig:
         layer = attn + mlp + (4 if self.model_type in ("gemma2", "gemma3_text") else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * layer + h + head
-
-
-def _moe_settings(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The `ModelConfig` fields of a mixture of experts (none for a dense `model_type`).
-
-    Mixtral renormalises the chosen experts' weights, Qwen3-MoE where `norm_topk_prob`. The
-    key of the expert count is `num_local_experts` in Mixtral's configs and in those
-    transformers 5 writes, `num_experts` in Qwen3-MoE's on the Hub.
-    """
-    if model_type not in ("mixtral", "qwen3_moe"):
-        return {}
-    if model_type == "qwen3_moe":
-        # Layers with a dense MLP instead of experts.
-        if _default(config, "decoder_sparse_step", 1) != 1:
-            raise LoadError("Qwen3-MoE `decoder_sparse_step` other than 1 is not supported")
-        if _default(config, "mlp_only_layers", []):
-            raise LoadError("Qwen3-MoE `mlp_only_layers` are not supported")
-    key = "num_local_experts" if "num_local_experts" in config else "num_experts"
-    experts = _positive_int(config.get(key), key)
-    top_k = _positive_int(config.get("num_experts_per_tok"), "num_experts_per_tok")
-    if top_k > experts:
-        raise LoadError(f"`num_experts_per_tok` ({top_k}) exceeds `{key}` ({experts})")
-    mixtral = model_type == "mixtral"
-    inter = "intermediate_size" if mixtral else "moe_intermediate_size"
-    return {
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "norm_topk_prob": mixtral or _bool(config, "norm_topk_prob"),
-        "moe_intermediate_size": _positive_int(config.get(inter), inter),
-    }
-
-
-def _positive_int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise LoadError(f"`{name}` must be a positive integer, got {value!r}")
-    return value
-
-
-def _token_id(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise LoadError(f"`{name}` must be a token id (an integer >= 0), got {value!r}")
-    return value
-
-
-def _bool(config: dict[str, Any], name: str) -> bool:
-    value = _default(config, name, False)
-    # Some older configs write flags as 0 and 1.
-    if value not in (True, False) or not isinstance(value, bool | int):
-        raise LoadError(f"`{name}` must be true or false, got {value!r}")
-    return bool(value)
-
-
-def _default(config: dict[str, Any], name: str, default):
-    value = config.get(name)
-    return default if value is None else value
-
-
-def _int_div(a: int, b: int, name: str) -> int:
-    if a % b:
-        raise LoadError(f"`{name}` ({a}) is not divisible by `num_attention_heads` ({b})")
-    return a // b
-
-
-def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise LoadError(f"`{name}` must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _optional_number(config: dict[str, Any], name: str, read: bool) -> float | None:
-    """`config[name]` as a positive number, or None where absent or not `read` (a family
-    without the setting)."""
-    value = config.get(name) if read else None
-    if value is None:
-        return None
-    value = _number(value, name)
-    if not value > 0:
-        raise LoadError(f"`{name}` must be positive, got {value!r}")
-    return value
-
-
-def _gemma3_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """Gemma 3's RoPE: `config` with the full layers' settings where `_rope_settings` reads
-    them, and the sliding layers' base, from transformers 5's `rope_parameters` keyed by layer
-    type or from the older `rope_theta`, `rope_scaling` and `rope_local_base_freq`."""
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
-        sliding = params.get("sliding_attention") or {}
-        full = params.get("full_attention") or {"rope_type": "default"}
-        for name, value in (("sliding_attention", sliding), ("full_attention", full)):
-            if not isinstance(value, dict):
-                raise LoadError(f"`rope_parameters.{name}` must be a JSON object, got {value!r}")
-        if sliding.get("rope_type", "default") != "default":
-            raise LoadError(
-                "unsupported `rope_parameters.sliding_attention.rope_type` "
-                f"{sliding['rope_type']!r}; only `default`"
-            )
-        local = sliding.get("rope_theta", 10000.0)
-        full = {"rope_type": "default", "rope_theta": _default(config, "rope_theta", 1e6), **full}
-        config = {**config, "rope_parameters": full}
-    else:
-        local = _default(config, "rope_local_base_freq", 10000.0)
-        config = {**config, "rope_theta": _default(config, "rope_theta", 1e6)}
-    local = _number(local, "rope_local_base_freq")
-    if not local > 0:
-        raise LoadError(f"`rope_local_base_freq` must be positive, got {local!r}")
-    return config, local
-
-
-def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
-    params = config.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params, key = config.get("rope_scaling"), "rope_scaling"
-    if params is not None and not isinstance(params, dict):
-        raise LoadError(f"`{key}` must be a JSON object, got {params!r}")
-    if key == "rope_parameters" and "rope_theta" not in params and "rope_type" not in params:
-        raise LoadError("per-layer-type `rope_parameters` are not supported")
-    params = dict(params or {})
-    theta = _number(params.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
-        raise LoadError(
-            f"unsupported RoPE scaling type {rope_type!r}; jaxlm supports "
-            + ", ".join(f"`{t}`" for t in SUPPORTED_ROPE_TYPES)
-        )
-    if rope_type == "default":
-        return theta, RopeScaling()
-    if rope_type == "longrope":
-        return theta, _longrope(config, params)
-    if "factor" not in params:
-        raise LoadError(f"RoPE scaling `{rope_type}` needs a `factor`")
-    original = params.get("original_max_position_embeddings")
-    if original is not None:
-        _positive_int(original, "original_max_position_embeddings")
-    scaling = RopeScaling(
-        rope_type=rope_type,
-        factor=_number(params["factor"], "factor"),
-        low_freq_factor=_number(params.get("low_freq_factor", 1.0), "low_freq_factor"),
-        high_freq_factor=_number(params.get("high_freq_factor", 4.0), "high_freq_factor"),
-        original_max_position_embeddings=original,
-    )
-    if not scaling.factor > 0:
-        raise LoadError(f"RoPE scaling `factor` must be positive, got {scaling.factor!r}")
-    if rope_type == "llama3":
-        if original is None:
-            raise LoadError("RoPE scaling `llama3` needs `original_max_position_embeddings`")
-        if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
-            raise LoadError(
-                "RoPE scaling `llama3` needs 0 < `low_freq_factor` < `high_freq_factor`, got "
-                f"{scaling.low_freq_factor!r} and {scaling.high_freq_factor!r}"
-            )
-    return theta, scaling
-
-
-def _longrope(config: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
-    """LongRoPE's settings as transformers computes them: the top-level
-    `original_max_position_embeddings` before the RoPE settings' own; `factor` by default
-    `max_position_embeddings / original_max_position_embeddings`, and the scale of `cos` and
-    `sin`, `attention_factor`, by default `sqrt(1 + log(factor) / log(original))` (1 where
-    `factor` <= 1)."""
-    factors = {}
-    for name in ("short_factor", "long_factor"):
-        values = params.get(name)
-        if not isinstance(values, list) or not values:
-            raise LoadError(f"RoPE scaling `longrope` needs `{name}`, a list of numbers")
-        factors[name] = tuple(_number(v, name) for v in values)
-        if not all(v > 0 for v in factors[name]):
-            raise LoadError(f"RoPE scaling `{name}` must be positive, got {values!r}")
-    max_len = _default(config, "max_position_embeddings", 2048)
-    original = _positive_int(
-        _default(
-            config,
-            "original_max_position_embeddings",
-            _default(params, "original_max_position_embeddings", max_len),
-        ),
-        "original_max_position_embeddings",
-    )
-    factor = params.get("factor")
-    factor = max_len / original if factor is None else _number(factor, "factor")
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    attention = _number(attention, "attention_factor")
-    if not attention > 0:
-        raise LoadError(f"RoPE scaling `attention_factor` must be positive, got {attention!r}")
-    return RopeScaling(
-        rope_type="longrope",
-        factor=factor,
-        original_max_position_embeddings=original,
-        attention_factor=attention,
-        **factors,
-    )
-
-
-def _phi3_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Phi-3's config as transformers' `Phi3Config` reads it: RoPE `default` or `longrope`
-    (which older configs call `su` or `yarn`), `original_max_position_embeddings` 4096 where
-    the config leaves it out, and `partial_rotary_factor` from the RoPE settings or else the top
-    level. Phi-3 has no biases; a config that asks for them is refused."""
-    for name in ("attention_bias", "mlp_bias", "lm_head_bias"):
-        if _bool(config, name):
-            raise LoadError(f"Phi-3 `{name}` is not supported")
-    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
-    params = config.get(key) or {}
-    if not isinstance(params, dict):
-        raise LoadError(f"`{key}` must be a JSON object, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
-    if rope_type not in ("default", "longrope"):
-        raise LoadError(
-            f"unsupported RoPE scaling type {rope_type!r} for Phi-3; only `default` and `longrope`"
-        )
-    partial = params.get("partial_rotary_factor", _default(config, "partial_rotary_factor", 1.0))
-    return {
-        "original_max_position_embeddings": 4096,
-        **config,
-        key: {**params, "rope_type": rope_type},
-        "partial_rotary_factor": _number(partial, "partial_rotary_factor"),
-    }

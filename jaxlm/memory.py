@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import gc
 import math
 import re
 from collections.abc import Iterator, Mapping
@@ -244,8 +245,13 @@ def process_status(field: str) -> int | None:
     return None
 
 
-def resident_bytes() -> int | None:
-    """The resident set size of this process now (`VmRSS`), in bytes; None outside Linux."""
+def resident_bytes(settled: bool = False) -> int | None:
+    """The resident set size of this process now (`VmRSS`), in bytes; None outside Linux.
+    `settled`: once unreachable objects are collected and the C heap's free pages handed back
+    (`release_host_memory`), so that only live memory counts."""
+    if settled:
+        gc.collect()
+        release_host_memory()
     return process_status("VmRSS")
 
 

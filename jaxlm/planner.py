@@ -4,7 +4,6 @@ allocated."""
 from __future__ import annotations
 
 import functools
-import gc
 import threading
 
 import jax
@@ -35,15 +34,6 @@ from jaxlm.speculative import check_weights, drafts_of
 
 # `plan(budget=)` sizes `max_seq_len` in steps of this many tokens.
 SEQ_STEP = 256
-
-
-def _settled_resident_bytes() -> int | None:
-    """This process's resident bytes once unreachable objects are collected and the C heap's
-    free pages handed back, so that only live memory counts; None outside Linux.
-    """
-    gc.collect()
-    release_host_memory()
-    return resident_bytes()
 
 
 class Plan(Bill):
@@ -97,13 +87,13 @@ class Plan(Bill):
     @classmethod
     def build(cls, generator, model, max_batch, max_seq_len, chunk, budget, steps, drafts) -> Plan:
         layout = _layout(generator, generator.declarations(model), max_batch, max_seq_len)
-        before = _settled_resident_bytes()
+        before = resident_bytes(settled=True)
         compiled = compile_steps(generator, layout, chunk, steps, drafts)
         plan = cls(generator, layout, chunk, weights_bytes(model), compiled, budget, drafts)
         # The steps were traced by jitted functions of their own, which die in reference
         # cycles; collecting them frees their traces. Reading XLA's memory analysis frees heap,
         # which the settling returns too.
-        after = _settled_resident_bytes()
+        after = resident_bytes(settled=True)
         if before is not None and after is not None:
             plan.executables_host_bytes = max(0, after - before)
         return plan

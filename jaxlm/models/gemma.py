@@ -22,7 +22,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm.config import ModelConfig, RopeScaling
+from jaxlm.config import ModelConfig
+from jaxlm.config_fields import RopeScaling
 from jaxlm.layers import GeGLU, RMSNorm
 from jaxlm.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 
