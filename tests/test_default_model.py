@@ -108,7 +108,10 @@ def test_loading_leaves_no_executables_behind(dtype):
 @pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", None), ("float32", "int8")])
 def test_greedy_tokens_equal_the_recorded_ones(dtype, quantize):
     # The ids `generate` gave before the engine work of this round (`tests/data/README.md`);
-    # float32's are llama.cpp's, above.
+    # float32's are llama.cpp's, above. bfloat16's hold under the suite's XLA flags
+    # (`conftest.DEFAULT_MODEL_FLAGS`); with XLA's default optimizations the paged attention
+    # takes the other side of a near-tie at the third prompt's 17th token (float32's logits
+    # 18.617 and 18.612, closer than bfloat16 resolves), where 661e5d7's contiguous cache did not.
     recorded = json.loads((ROOT / "tests" / "data" / "smollm2_jaxlm_greedy.json").read_text())
     model, tokenizer = jaxlm.load(dtype=dtype, quantize=quantize, progress=False)
     out = jaxlm.generate(
