@@ -117,8 +117,11 @@ def w4_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.nd
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cols", W4_COLUMNS)
-# Rows past whole panels of 16 (the AVX512-VNNI path from 16 columns on) among them.
-@pytest.mark.parametrize("shape", [(1, 32), (5, 96), (3, 4, 160), (17, 576), (53, 96), (2, 20, 64)])
+# Rows past whole panels of 16 (the AVX512-VNNI path from 16 columns on) among them, and rows of
+# 0 to 3 blocks past whole super-blocks (the vector paths' four blocks at a time).
+@pytest.mark.parametrize(
+    "shape", [(1, 32), (5, 96), (3, 4, 160), (17, 576), (53, 96), (2, 20, 64), (6, 128)]
+)
 def test_w4_equals_numpy(isa, cols, shape):
     rng = np.random.default_rng(cols)
     w = rng.standard_normal(shape, np.float32)
