@@ -79,8 +79,9 @@ class Attention(nnx.Module):
         """`jaxlm.ops.attend`'s `scale` and `softcap`, where a family sets them."""
         return {}
 
-    def _project(self, x, cos, sin):
-        # x [hidden, B, T] -> q [heads, D, B, T], and keys and values in the cache layouts.
+    def _project(self, x, cos, sin, live):
+        # x [hidden, B, T] -> q [heads, D, B, T], and keys and values in the cache layouts; a
+        # chunk that is padding in every row (`live` false) is not rotated.
         _, b, t = x.shape
         c = self.config
         qkv = self.qkv_proj(x)  # [kv_heads, (groups + 2) * D, B, T]
@@ -88,20 +89,23 @@ class Attention(nnx.Module):
         q = qkv[:, :queries].reshape(c.num_attention_heads, c.head_dim, b, t)
         k, v = qkv[:, queries : queries + c.head_dim], qkv[:, queries + c.head_dim :]
         q, k = self._norm_qk(q, k)
+        q, k = ops.before_layout(
+            live, lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin)), q, k
+        )
         # Keys and values are rounded to the cache dtype on both paths, so a cached forward
         # equals a full one in bfloat16 too.
         dtype = self.k_pages.dtype
-        k, v = ops.to_cache_layout(apply_rope(k, cos, sin).astype(dtype), v.astype(dtype))
-        return apply_rope(q, cos, sin), k, v
+        return q, *ops.to_cache_layout(k.astype(dtype), v.astype(dtype))
 
     def __call__(self, x, cos, sin, mask):
-        out = ops.attend(*self._project(x, cos, sin), mask, **self._attend_options())
+        # Every row of a whole sequence has tokens.
+        out = ops.attend(*self._project(x, cos, sin, True), mask, **self._attend_options())
         return self.o_proj(out)
 
     def forward_paged(self, groups, cache):
         # Each group: (x, cos, sin, mask, slots, table, end). Their keys and values are written
         # in one update of the pages, then each group attends over its rows' first `end` slots.
-        projected = [self._project(x, cos, sin) for x, cos, sin, *_ in groups]
+        projected = [self._project(*g[:3], g[6] > 0) for g in groups]
         writes = [(k, v, g[4]) for (_, k, v), g in zip(projected, groups, strict=True)]
         cache = ops.write_paged(cache, writes)
         options = self._attend_options()
