@@ -1,6 +1,6 @@
 """The native CPU products (`jaxlm.kernels`) against NumPy computations of the same quantized
-products, on every path this CPU runs; the 4-bit format against `gguf.quants`; bad input; the
-fallback to XLA's products; the C++ sources' formatting."""
+products, on every path this CPU runs, and its rows against NumPy's; the 4-bit format against
+`gguf.quants`; bad input; the fallback to XLA's products; the C++ sources' formatting."""
 
 from __future__ import annotations
 
@@ -144,6 +144,23 @@ def random_gguf_blocks(kind, count: int, rng) -> np.ndarray:
     return blocks
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16, np.float32, np.int8])
+def test_rows_equal_numpy(dtype):
+    rng = np.random.default_rng(0)
+    table = np.asarray(jnp.asarray(rng.standard_normal((50, 24)) * 40).astype(dtype))
+    ids = np.array([[0, 49, -1, -50, 7], [50, -51, 1000, 3, 3]])
+    inside = (ids >= -50) & (ids < 50)
+    # `np.take` for the ids inside the table; all-ones bytes for the others, as `jnp.take`
+    # fills a 16-bit table's bits.
+    expected = np.take(table, np.where(inside, ids, 0), axis=0).view(np.uint8)
+    expected[~inside] = 0xFF
+    for rows in (kernels.rows, jax.jit(kernels.rows)):
+        got = np.asarray(rows(jnp.asarray(table), ids))
+        assert got.dtype == table.dtype and got.shape == (2, 5, 24)
+        np.testing.assert_array_equal(got.view(np.uint8), expected)
+    assert kernels.rows(jnp.asarray(table), np.zeros(0, np.int32)).shape == (0, 24)
+
+
 @pytest.mark.parametrize("kind", list(int4.GGUF_TYPES))
 def test_gguf_blocks_dequantize_exactly(kind):
     rng = np.random.default_rng(int(kind))
@@ -188,6 +205,8 @@ def test_bad_input_names_the_argument():
         int4.from_gguf(np.zeros(34, np.uint8), gguf.GGMLQuantizationType.Q8_0, (1, 32))
     with pytest.raises(ValueError, match="`name` must be one of"), kernels.limited_to("sse2"):
         pass
+    with pytest.raises(ValueError, match=r"`table` must be \[rows, features\]"):
+        kernels.rows(np.zeros(8, np.float16), np.zeros(2, np.int32))
 
 
 def custom_calls(fn, *args) -> int:
@@ -248,7 +267,7 @@ def test_a_missing_library_is_reported_once(monkeypatch):
         assert load() is None
     assert [str(w.message) for w in caught] == [
         "jaxlm: native CPU kernels unavailable (the library was not built at install); "
-        "quantized products run through XLA"
+        "quantized products and rows of tied 16-bit embeddings run through XLA"
     ]
 
 

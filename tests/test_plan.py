@@ -354,7 +354,9 @@ def test_bfloat16_decode_holds_no_float32_copy_of_the_weights(tmp_path):
 def test_bfloat16_embedding_rows_gather_without_a_copy_of_the_table(tied):
     # XLA:CPU gathers bf16 rows from a float32 copy of the whole table, hoisted out of the
     # decode loop. An untied table, stored as its bits, leaves no copy; a tied one, which the LM
-    # head multiplies, leaves a copy of its bits, half a float32 copy.
+    # head multiplies as floats, gathers through the native kernels and leaves none either. (A
+    # bitcast of the whole table, as the tied one took before, is a copy among the temporaries
+    # under XLA's default compile flags, but not under the suite's: the HLO shows it under both.)
     vocab, hidden = 8192, 64
     config = ModelConfig.from_hf_config(
         dict(BASE, model_type="llama", vocab_size=vocab, tie_word_embeddings=tied)
@@ -362,8 +364,10 @@ def test_bfloat16_embedding_rows_gather_without_a_copy_of_the_table(tied):
     model = LlamaForCausalLM.abstract(config, dtype=jnp.bfloat16)
     plan = jaxlm.plan(model, max_batch=1, max_seq_len=32)
     table = 2 * vocab * hidden
+    whole = re.compile(rf"= \w+\[{vocab},{hidden}\]\S* (bitcast-convert|convert|copy)\(")
     for name, stats in plan.executables.items():
-        assert stats.temp < (2 * table if tied else table / 4), (name, stats.temp)
+        assert stats.temp < table / 4, (name, stats.temp)
+        assert not whole.search(plan.compiled[name].as_text()), name
 
 
 def test_bfloat16_prefill_attends_without_converting_the_cache(tmp_path):

@@ -1,4 +1,5 @@
-"""Native CPU products with quantized weights, run inside jitted steps as XLA FFI custom calls.
+"""Native CPU kernels run inside jitted steps as XLA FFI custom calls: products with quantized
+weights, and rows gathered from a 16-bit table.
 
 The library (`csrc/`, C++17) is compiled by `pip install` and called through `jax.ffi`: XLA
 runs it as a custom call on its own threads, with no Python and no GIL, and the weights are
@@ -11,6 +12,9 @@ it runs (AVX512-VNNI, AVX2, portable C++):
   them for XLA's integer dot.
 - `w4_matmul`: 4-bit weights in blocks of 32 with a float16 scale and minimum each
   (`jaxlm.kernels.int4`); the activations are rounded to int8 per block of 32.
+
+Beside them, `rows` copies a table's rows where it lies, for any dtype: XLA:CPU gathers 16-bit
+float rows from a float32 copy of the whole table.
 
 Where the library was not built (no compiler, another platform) or is switched off
 (`JAXLM_NATIVE_KERNELS=0`, read as products are traced), `available()` is false and
@@ -37,7 +41,11 @@ SWITCH = "JAXLM_NATIVE_KERNELS"
 # The int32 sums of `w8_matmul` hold up to this many inputs: 255 * 127 * in < 2**31.
 W8_MAX_IN = 65536
 
-_TARGETS = {"jaxlm_w8_matmul": "JaxlmW8Matmul", "jaxlm_w4_matmul": "JaxlmW4Matmul"}
+_TARGETS = {
+    "jaxlm_w8_matmul": "JaxlmW8Matmul",
+    "jaxlm_w4_matmul": "JaxlmW4Matmul",
+    "jaxlm_rows": "JaxlmRows",
+}
 
 
 @functools.cache
@@ -49,7 +57,8 @@ def _library() -> ctypes.CDLL | None:
         library = ctypes.CDLL(spec.origin)
     except OSError as e:
         warnings.warn(
-            f"jaxlm: native CPU kernels unavailable ({e}); quantized products run through XLA",
+            f"jaxlm: native CPU kernels unavailable ({e}); quantized products and rows of tied "
+            "16-bit embeddings run through XLA",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -175,3 +184,19 @@ def w4_matmul(packed: jax.Array, scales: jax.Array, x: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((*packed.shape[:-1], flat.shape[1]), jnp.float32)
     y = jax.ffi.ffi_call("jaxlm_w4_matmul", out)(packed, scales, flat)
     return y.reshape(*packed.shape[:-1], *x.shape[1:])
+
+
+def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows `ids` `[...]` of `table` `[rows, features]`, of any dtype: `[..., features]`,
+    copied where the table lies. As `jnp.take(table, ids, axis=0)` gathers them: a negative id
+    counts from the end, and the row of an id outside the table is all ones (NaN for floats).
+
+    Example:
+        >>> x = jaxlm.kernels.rows(embedding, input_ids)
+    """
+    _registered()
+    if table.ndim != 2:
+        raise ValueError(f"`table` must be [rows, features], got shape {table.shape}")
+    flat = jnp.asarray(ids, jnp.int32).reshape(-1)
+    out = jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype)
+    return jax.ffi.ffi_call("jaxlm_rows", out)(table, flat).reshape(*jnp.shape(ids), table.shape[1])

@@ -45,6 +45,12 @@ def _cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
+def _native_kernels() -> bool:
+    """Whether `jaxlm.kernels` runs here: one CPU device (a custom call's operands are not
+    split over a mesh) and the library available."""
+    return platform() == "cpu" and jax.device_count() == 1 and kernels.available()
+
+
 def _multithreaded_cpu() -> bool:
     """One CPU device with several threads: where XLA:CPU's own thread split is the bottleneck
     (on several devices, the operands are sharded instead)."""
@@ -317,7 +323,7 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
     A 4-bit weight (uint8 `q`, `scale` its blocks' scales, see `jaxlm.kernels.int4`) runs the
     native 4-bit product where the kernels run, else XLA's product of the dequantized weight.
     """
-    native = platform() == "cpu" and jax.device_count() == 1 and kernels.available()
+    native = _native_kernels()
     if q.dtype == jnp.uint8:
         if native:
             return kernels.w4_matmul(q, scale, x)
@@ -371,9 +377,12 @@ def embedding_storage(weight: jax.Array, tied: bool) -> jax.Array:
 
 def embedding_rows(weight: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` `[...]` of a table stored by `embedding_storage` for `dtype`, as float32
-    `[..., features]`. On CPU a tied 16-bit table gathers from its bits too: XLA then copies the
-    bits, half the bytes of a float32 copy."""
+    `[..., features]`. On CPU a tied 16-bit table, kept as floats, gathers in place through
+    `jaxlm.kernels.rows` where the native kernels run, else from its bits, which XLA copies
+    whole each call (see `docs/performance.md`, "Embedding tables as bits")."""
     dtype = jnp.dtype(dtype)
+    if weight.dtype != jnp.uint16 and dtype.itemsize == 2 and _native_kernels():
+        return kernels.rows(weight, ids).astype(jnp.float32)
     if weight.dtype == jnp.uint16 or (dtype.itemsize == 2 and platform() == "cpu"):
         bits = jax.lax.bitcast_convert_type(weight, jnp.uint16)
         rows = jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), dtype)
