@@ -206,18 +206,18 @@ def computed_once(predicate: jax.Array, fn, otherwise, *operands):
 
 
 def before_layout(live: jax.Array, fn, q: jax.Array, k: jax.Array):
-    """`fn(q, k)` on a chunk's queries and keys `[heads, D, B, T]`, computed before the copies
-    that lay them out for attention and for the page write where the chunk is a prompt's (more
-    than `PAGE_BY_PAGE` tokens); a chunk that is padding in every row (`live` false) gives them
-    back unchanged.
+    """`fn(q, k)` on a chunk's queries and keys `[heads, D, B, T]`, computed on CPU before the
+    copies that lay them out for attention and for the page write where the chunk is a
+    prompt's (more than `PAGE_BY_PAGE` tokens); a chunk that is padding in every row (`live`
+    false) gives them back unchanged.
 
-    Fused into those transposing copies, an elementwise `fn` (the rotary embedding) runs in
-    their scattered order, at several times the copies' own time; materialised by a conditional
-    (`computed_once`), it runs in the product's order. One token or a few go through the copies
-    with `fn` fused, where the conditional would cost more than it saves (see
-    `docs/performance.md`, "A prompt chunk's rotation").
+    Fused into those transposing copies, XLA:CPU runs an elementwise `fn` (the rotary
+    embedding) in their scattered order, at several times the copies' own time; materialised
+    by a conditional (`computed_once`), it runs in the product's order. One token or a few go
+    through the copies with `fn` fused, where the conditional would cost more than it saves
+    (see `docs/performance.md`, "A prompt chunk's rotation").
     """
-    if q.shape[-1] <= PAGE_BY_PAGE:
+    if platform() != "cpu" or q.shape[-1] <= PAGE_BY_PAGE:
         return fn(q, k)
     return computed_once(live, fn, lambda q, k: (q, k), q, k)
 
