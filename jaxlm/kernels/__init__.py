@@ -75,11 +75,16 @@ def available() -> bool:
     return os.environ.get(SWITCH, "1") != "0" and _library() is not None
 
 
+def runs_here() -> bool:
+    """Whether `jaxlm.ops` runs the kernels: available, on one CPU device (a custom call's
+    operands are not split over a mesh)."""
+    return available() and jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def products() -> str:
     """The quantized products `jaxlm.ops` runs here, as `jaxlm bench` reports them:
     `native (<path>)` or `XLA`."""
-    native = available() and jax.default_backend() == "cpu" and jax.device_count() == 1
-    return f"native ({isa()})" if native else "XLA"
+    return f"native ({isa()})" if runs_here() else "XLA"
 
 
 def isa() -> str | None:

@@ -45,12 +45,6 @@ def _cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def _native_kernels() -> bool:
-    """Whether `jaxlm.kernels` runs here: one CPU device (a custom call's operands are not
-    split over a mesh) and the library available."""
-    return platform() == "cpu" and jax.device_count() == 1 and kernels.available()
-
-
 def _multithreaded_cpu() -> bool:
     """One CPU device with several threads: where XLA:CPU's own thread split is the bottleneck
     (on several devices, the operands are sharded instead)."""
@@ -323,7 +317,7 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
     A 4-bit weight (uint8 `q`, `scale` its blocks' scales, see `jaxlm.kernels.int4`) runs the
     native 4-bit product where the kernels run, else XLA's product of the dequantized weight.
     """
-    native = _native_kernels()
+    native = kernels.runs_here()
     if q.dtype == jnp.uint8:
         if native:
             return kernels.w4_matmul(q, scale, x)
@@ -381,10 +375,13 @@ def embedding_rows(weight: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     `jaxlm.kernels.rows` where the native kernels run, else from its bits, which XLA copies
     whole each call (see `docs/performance.md`, "Embedding tables as bits")."""
     dtype = jnp.dtype(dtype)
-    if weight.dtype != jnp.uint16 and dtype.itemsize == 2 and _native_kernels():
-        return kernels.rows(weight, ids).astype(jnp.float32)
-    if weight.dtype == jnp.uint16 or (dtype.itemsize == 2 and platform() == "cpu"):
+    if weight.dtype == jnp.uint16:
+        rows = jax.lax.bitcast_convert_type(jnp.take(weight, ids, axis=0), dtype)
+    elif dtype.itemsize == 2 and kernels.runs_here():
+        rows = kernels.rows(weight, ids)
+    elif dtype.itemsize == 2 and platform() == "cpu":
         bits = jax.lax.bitcast_convert_type(weight, jnp.uint16)
         rows = jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), dtype)
-        return rows.astype(jnp.float32)
-    return jnp.take(weight, ids, axis=0).astype(jnp.float32)
+    else:
+        rows = jnp.take(weight, ids, axis=0)
+    return rows.astype(jnp.float32)
