@@ -12,13 +12,13 @@ from flax import nnx
 
 from jaxlm.batching.plan import plan_engine
 from jaxlm.bill import Bill
+from jaxlm.decoding import page_count
 from jaxlm.errors import PlanError
 from jaxlm.generator import (
     DEFAULT_PREFILL_CHUNK,
     Generator,
     compile_steps,
     generator_of,
-    page_count,
     weights_bytes,
 )
 from jaxlm.memory import (

@@ -3,7 +3,7 @@ copied from a row's own earlier text, proposed and checked on the device.
 
 Each step, a row looks for the latest earlier occurrence of its last `n` tokens among its own
 tokens (prompt and output; `n` from `NGRAM_SIZES`, longest first) and drafts the tokens that
-followed it. The loop (`jaxlm.generator.decode_loop_ngram`, the engine's
+followed it. The loop (`jaxlm.decoding.decode_loop_ngram`, the engine's
 `jaxlm.batching.step.Steps`) runs the row's last token and its
 drafts as one chunk, samples a token at every position with that position's own key, and keeps
 the drafts up to the first that differs from the token sampled before it, and that token: the
