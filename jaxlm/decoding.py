@@ -208,54 +208,57 @@ def decode_loop(model, scratch, params, stop, limit, mask=None):
     )
 
 
-def decode_loop_ngram(model, scratch, params, stop, limit, drafts):
-    """`decode_loop` with prompt-lookup drafts (`jaxlm.speculative`): a step where every
-    unfinished row drafts runs each row's last token and its `drafts` drafts as one chunk and
-    keeps what they accept, otherwise one token; the tokens are those `decode_loop` gives."""
-    seq = scratch["decode"]["tokens"].shape[1]
+def _room(s, limit, drafts):
+    """Whether a chunk of `drafts` drafts fits the rows' slots and the tokens left to sample."""
+    d = s["decode"]
+    return (d["index"] + drafts < d["tokens"].shape[1]) & (limit - _generated(s) > 1)
 
-    def look_up(s):
-        """The rows' drafts, and whether the next step verifies them."""
-        d = s["decode"]
-        proposed, found = speculative.propose(d["tokens"], d["start"], d["index"], drafts)
-        room = (d["index"] + drafts < seq) & (limit - _generated(s) > 1)
-        return proposed, jnp.all(found | d["done"]) & room & _running(s, limit)
 
-    def verify(s, proposed):
-        d = s["decode"]
-        index, done, left = d["index"], d["done"], limit - _generated(s) - 1
-        # The drafts take their slots first, so that each position's penalty sees those before.
-        tokens = jax.lax.dynamic_update_slice(d["tokens"], proposed, (0, index + 1))
-        ids = jax.lax.dynamic_slice_in_dim(tokens, index, drafts + 1, 1)
-        logits, s = _forward(model, {**s, "decode": {**d, "tokens": tokens}}, ids, None)
-        slots = index + 1 + jnp.arange(drafts + 1, dtype=jnp.int32)
-        sampled = _choose(s["decode"], logits, params, slots)
-        keep = jnp.minimum(speculative.accepted(sampled, proposed, done), left)
-        d = jax.lax.fori_loop(
-            0,
-            keep + 1,
-            lambda j, d: _record(d, sampled[:, j], slots[j], stop),
-            s["decode"],
-        )
-        d = {
-            **d,
-            "index": index + 1 + keep,
-            "drafted": d["drafted"] + jnp.where(done, 0, drafts),
-            "accepted": d["accepted"] + jnp.where(done, 0, keep),
-        }
-        return {**s, "decode": d}
+def _verify(model, s, proposed, params, stop, limit):
+    """Run each row's last token and its drafts `proposed` `[B, drafts]` as one chunk; keep the
+    drafts every row accepts and the token sampled after them."""
+    d = s["decode"]
+    drafts = proposed.shape[1]
+    index, done, left = d["index"], d["done"], limit - _generated(s) - 1
+    # The drafts take their slots first, so that each position's penalty sees those before.
+    tokens = jax.lax.dynamic_update_slice(d["tokens"], proposed, (0, index + 1))
+    ids = jax.lax.dynamic_slice_in_dim(tokens, index, drafts + 1, 1)
+    logits, s = _forward(model, {**s, "decode": {**d, "tokens": tokens}}, ids, None)
+    slots = index + 1 + jnp.arange(drafts + 1, dtype=jnp.int32)
+    sampled = _choose(s["decode"], logits, params, slots)
+    keep = jnp.minimum(speculative.accepted(sampled, proposed, done), left)
+    d = jax.lax.fori_loop(
+        0,
+        keep + 1,
+        lambda j, d: _record(d, sampled[:, j], slots[j], stop),
+        s["decode"],
+    )
+    d = {
+        **d,
+        "index": index + 1 + keep,
+        "drafted": d["drafted"] + jnp.where(done, 0, drafts),
+        "accepted": d["accepted"] + jnp.where(done, 0, keep),
+    }
+    return {**s, "decode": d}
+
+
+def _drafting_loop(model, scratch, params, stop, limit, look_up, propose, before_single):
+    """`decode_loop` with drafts: a step where `look_up(s) -> (drafts, go)` (computed once a
+    step, after it) says go runs each row's last token and its drafts (`propose(s, drafts) ->
+    (s, drafts)`, just before) as one chunk and keeps what they accept, otherwise one token
+    (`before_single(s) -> s` first); the tokens are those `decode_loop` gives."""
 
     # The carry: the state, the tokens to wait before drafting, the wait after the next miss,
-    # and the state's drafts and whether the next step verifies them, computed once a step.
+    # and the state's drafts and whether the next step verifies them.
     def single(c):
         s, wait, backoff, _, _ = c
-        s = _one_token(model, s, params, stop, None)
+        s = _one_token(model, before_single(s), params, stop, None)
         return (s, jnp.maximum(wait - 1, 0), backoff, *look_up(s))
 
     def chunk(c):
         s, _, backoff, proposed, _ = c
         before = s["decode"]["accepted"]
-        s = verify(s, proposed)
+        s = _verify(model, *propose(s, proposed), params, stop, limit)
         # A chunk that kept no draft cost more than the token it gave: wait twice as long
         # before the next (at most `MAX_BACKOFF` tokens); one that kept a draft resets.
         missed = jnp.all(s["decode"]["accepted"] == before)
@@ -275,6 +278,108 @@ def decode_loop_ngram(model, scratch, params, stop, limit, drafts):
     one = jnp.int32(1)
     c = (scratch, one - 1, one, *look_up(scratch))
     return jax.lax.while_loop(lambda c: _running(c[0], limit), body, c)[0]
+
+
+def decode_loop_ngram(model, scratch, params, stop, limit, drafts):
+    """`decode_loop` with prompt-lookup drafts (`jaxlm.speculative`): a step where every
+    unfinished row finds `drafts` drafts verifies them; the tokens are those `decode_loop`
+    gives."""
+
+    def look_up(s):
+        d = s["decode"]
+        proposed, found = speculative.propose(d["tokens"], d["start"], d["index"], drafts)
+        go = jnp.all(found | d["done"]) & _room(s, limit, drafts) & _running(s, limit)
+        return proposed, go
+
+    return _drafting_loop(
+        model, scratch, params, stop, limit, look_up, lambda s, p: (s, p), lambda s: s
+    )
+
+
+# A draft model keeps pages of its own (`scratch["draft"]`), a slot behind the target's at most:
+# before each step they hold every slot before `index - 1` (`index`: the slot of the last token,
+# sampled but not run). A chunk of drafts runs the draft on slots `index - 1` and `index`, then
+# on each draft but the last; whatever the target keeps of them, the draft's pages then hold
+# every slot before the new `index - 1`. Before a single token of the target, the draft runs
+# slot `index - 1`.
+
+
+def _draft_forward(draft, s, ids, first, last):
+    """Run the draft model on `ids` `[B, T]` at slots `first ..` of every row, over its own
+    pages; returns its logits of column `last` and the state with those pages written."""
+    view = {**s["draft"], "decode": {**s["decode"], "index": first}}
+    logits, out = _forward(draft, view, ids, last)
+    return logits, {**s, "draft": {name: out[name] for name in s["draft"]}}
+
+
+def _draft_prefill(draft, s, prompt, chunk):
+    """The draft model's pages of the left-padded `prompt`, in chunks of `chunk` as the
+    target's."""
+    b, p = prompt.shape
+
+    def run(i, s):
+        ids = jax.lax.dynamic_slice(prompt, (0, i * chunk), (b, chunk))
+        return _draft_forward(draft, s, ids, i * chunk, chunk - 1)[1]
+
+    return run(0, s) if p == chunk else jax.lax.fori_loop(0, p // chunk, run, s)
+
+
+def _draft_tokens(draft, s, drafts):
+    """Each row's `drafts` next tokens, the draft model's greedy choices after its last token;
+    the target's verification keeps its own tokens whatever they are."""
+    d = s["decode"]
+    index = d["index"]
+    ids = jax.lax.dynamic_slice_in_dim(d["tokens"], index - 1, 2, 1)
+    logits, s = _draft_forward(draft, s, ids, index - 1, 1)
+
+    def next_token(j, c):
+        s, proposed, logits = c
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        proposed = jax.lax.dynamic_update_slice(proposed, token[:, None], (0, j))
+        logits, s = _draft_forward(draft, s, token[:, None], index + 1 + j, 0)
+        return s, proposed, logits
+
+    proposed = jnp.zeros((ids.shape[0], drafts), jnp.int32)
+    s, proposed, logits = jax.lax.fori_loop(0, drafts - 1, next_token, (s, proposed, logits))
+    last = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return s, proposed.at[:, drafts - 1].set(last)
+
+
+def _draft_catch_up(draft, s):
+    """The draft's pages with the slot before the row's last token written, as a single token
+    of the target is about to write its last."""
+    index = s["decode"]["index"]
+    ids = jax.lax.dynamic_slice_in_dim(s["decode"]["tokens"], index - 1, 1, 1)
+    return _draft_forward(draft, s, ids, index - 1, 0)[1]
+
+
+def decode_loop_draft(models, scratch, params, stop, limit, drafts):
+    """`decode_loop` of the target with `drafts` drafts a step from a draft model: `models` is
+    `(target, draft)`; the tokens are those `decode_loop` gives."""
+    model, draft = models
+
+    def look_up(s):
+        rows = s["decode"]["done"].shape[0]
+        go = _room(s, limit, drafts) & _running(s, limit)
+        return jnp.zeros((rows, drafts), jnp.int32), go
+
+    return _drafting_loop(
+        model,
+        scratch,
+        params,
+        stop,
+        limit,
+        look_up,
+        lambda s, _: _draft_tokens(draft, s, drafts),
+        lambda s: _draft_catch_up(draft, s),
+    )
+
+
+def start_draft(models, scratch, prompt, lengths, rng, params, stop, chunk):
+    """`start` of the target, and the draft model's pages of the prompts."""
+    model, draft = models
+    scratch = start(model, scratch, prompt, lengths, rng, params, stop, chunk)
+    return _draft_prefill(draft, scratch, prompt, chunk)
 
 
 def prefill_step(model, scratch, prompt, lengths):
@@ -297,6 +402,11 @@ def _generate_ngram(model, scratch, prompt, lengths, rng, params, stop, limit, c
     return decode_loop_ngram(model, scratch, params, stop, limit, drafts)
 
 
+def _generate_draft(models, scratch, prompt, lengths, rng, params, stop, limit, chunk, drafts):
+    scratch = start_draft(models, scratch, prompt, lengths, rng, params, stop, chunk)
+    return decode_loop_draft(models, scratch, params, stop, limit, drafts)
+
+
 # Each step run by a plan, and its static arguments.
 # A `_masked` step takes each row's token mask (`mask=`): the steps of rows under a grammar.
 STEP_FUNCTIONS = {
@@ -307,4 +417,10 @@ STEP_FUNCTIONS = {
     "decode_masked": (decode_loop, ()),
     "generate_ngram": (_generate_ngram, ("chunk", "drafts")),
     "decode_ngram": (decode_loop_ngram, ("drafts",)),
+}
+# The steps of a target with a draft model (`jaxlm.generator.Generator` of both).
+DRAFT_STEP_FUNCTIONS = {
+    "generate_draft": (_generate_draft, ("chunk", "drafts")),
+    "start_draft": (start_draft, ("chunk",)),
+    "decode_draft": (decode_loop_draft, ("drafts",)),
 }

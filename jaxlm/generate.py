@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxlm import stops
@@ -24,28 +25,30 @@ from jaxlm.outputs import Delta, Progress, RequestOutput
 from jaxlm.planner import Plan
 from jaxlm.plans import (
     GENERATE,
+    GENERATE_DRAFT,
     GENERATE_NGRAM,
     MASKED,
     STREAM,
+    STREAM_DRAFT,
     STREAM_NGRAM,
     data_devices,
     plan_for,
     shapes,
 )
 from jaxlm.requests import Request, SamplingParams, is_int, parse_request, sampling_params
-from jaxlm.speculative import drafts_of
+from jaxlm.speculative import check_draft, drafts_of
 from jaxlm.stops import token_table
 
 STREAM_CHUNK = 8
 
 
 def _prepare(
-    model, tokenizer, req: Request, given: Plan | None, steps: tuple[str, ...], drafts: int
+    model, tokenizer, req: Request, given: Plan | None, steps: tuple[str, ...], drafts: int, draft
 ) -> tuple[Plan, int, dict]:
-    """The plan of a request that runs `steps`, drafting `drafts` tokens a step, its prefill
-    chunk, and its padded inputs."""
+    """The plan of a request that runs `steps`, drafting `drafts` tokens a step (with the
+    `draft` model, if not None), its prefill chunk, and its padded inputs."""
     batch, p, seq, chunk = shapes(req, given, data_devices(model), drafts)
-    the_plan = plan_for(model, batch, p, seq, chunk, given, steps, drafts)
+    the_plan = plan_for(model, batch, p, seq, chunk, given, steps, drafts, draft)
     x = _inputs(req, batch, p)
     x["stops"] = _stops(tokenizer, req, model.config.vocab_size)
     return the_plan, chunk, x
@@ -117,14 +120,18 @@ def _drafts(scratch, n: int) -> list[tuple[int, int]]:
     return list(zip(drafted, accepted, strict=True))
 
 
-def _drafts_asked(speculative, num_speculative_tokens, response_format, given) -> int:
-    """The tokens a step drafts (0: none); a `plan` given sets them unless they are asked."""
-    drafts = drafts_of(speculative, num_speculative_tokens)
+def _drafts_asked(model, speculative, num_speculative_tokens, response_format, given):
+    """The tokens a step drafts (0: none), and the draft model that drafts them (None: none, or
+    prompt lookup); a `plan` given sets the tokens unless they are asked."""
+    drafts = drafts_of(speculative, num_speculative_tokens, draft_models=True)
+    draft = speculative if isinstance(speculative, nnx.Module) else None
+    if draft is not None:
+        check_draft(model, draft)
     if drafts and response_format is not None:
         raise ValueError("`speculative` and `response_format` do not combine: give one")
     if drafts and num_speculative_tokens is None and given is not None:
-        return given.num_speculative_tokens
-    return drafts
+        return given.num_speculative_tokens, draft
+    return drafts, draft
 
 
 def _request(model, tokenizer, prompts, params, fields, plan) -> Request:
@@ -147,7 +154,7 @@ def generate(
     params: SamplingParams | None = None,
     *,
     plan: Plan | None = None,
-    speculative: str | None = None,
+    speculative: str | nnx.Module | None = None,
     num_speculative_tokens: int | None = None,
     **sampling,
 ) -> list[RequestOutput]:
@@ -165,7 +172,9 @@ def generate(
     `speculative="ngram"` drafts tokens from each prompt's own text (`jaxlm.speculative`),
     `num_speculative_tokens` (3, at most 16) a step, and checks them in the same call: the same
     tokens, fewer steps where the output repeats the input; each output's `drafted_tokens` and
-    `accepted_tokens` count them.
+    `accepted_tokens` count them. `speculative=draft`, a smaller model of the same vocabulary
+    (`jaxlm.load`ed like `model`), drafts with that model's greedy tokens instead, in the same
+    call: the same tokens again, fewer steps where the draft model guesses the model's.
 
     Example:
         >>> out = jaxlm.generate(model, tokenizer, "The capital of France is", max_new_tokens=8)
@@ -174,15 +183,15 @@ def generate(
     """
     req = _request(model, tokenizer, prompts, params, sampling, plan)
     response_format = req.params.response_format
-    drafts = _drafts_asked(speculative, num_speculative_tokens, response_format, plan)
+    drafts, draft = _drafts_asked(model, speculative, num_speculative_tokens, response_format, plan)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
     if constrained is not None:
         *_, (tokens, counts, done, _) = _calls(
             model, tokenizer, req, plan, None, constrained, MASKED, 0
         )
         return _result(tokenizer, req, tokens, counts, done)
-    steps = GENERATE_NGRAM if drafts else GENERATE
-    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, steps, drafts)
+    steps = GENERATE_DRAFT if draft is not None else GENERATE_NGRAM if drafts else GENERATE
+    the_plan, chunk, x = _prepare(model, tokenizer, req, plan, steps, drafts, draft)
     generator = the_plan.generator
     scratch = the_plan.step(steps[0], x["prompt"].shape[1], chunk)(
         generator.params,
@@ -221,7 +230,7 @@ def stream(
     *,
     plan: Plan | None = None,
     chunk_tokens: int = STREAM_CHUNK,
-    speculative: str | None = None,
+    speculative: str | nnx.Module | None = None,
     num_speculative_tokens: int | None = None,
     **sampling,
 ) -> Iterator[Delta] | Iterator[list[Delta]]:
@@ -242,13 +251,14 @@ def stream(
         raise ValueError(f"`chunk_tokens` must be an integer >= 1, got {chunk_tokens!r}")
     req = _request(model, tokenizer, prompts, params, sampling, plan)
     response_format = req.params.response_format
-    drafts = _drafts_asked(speculative, num_speculative_tokens, response_format, plan)
+    drafts, draft = _drafts_asked(model, speculative, num_speculative_tokens, response_format, plan)
     constrained = _constrained(model, tokenizer, response_format, len(req.prompts))
-    steps = MASKED if constrained is not None else STREAM_NGRAM if drafts else STREAM
-    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained, steps, drafts)
+    steps = STREAM_DRAFT if draft is not None else STREAM_NGRAM if drafts else STREAM
+    steps = MASKED if constrained is not None else steps
+    return _stream(model, tokenizer, req, plan, chunk_tokens, constrained, steps, drafts, draft)
 
 
-def _stream(model, tokenizer, req: Request, given, chunk_tokens, constrained, steps, drafts):
+def _stream(model, tokenizer, req: Request, given, chunk_tokens, constrained, steps, drafts, draft):
     rows = [Progress(tokenizer, req.stop, prompt) for prompt in req.prompts]
 
     def cut() -> bool:
@@ -256,7 +266,7 @@ def _stream(model, tokenizer, req: Request, given, chunk_tokens, constrained, st
         return all(r.result is not None for r in rows)
 
     for tokens, counts, done, final in _calls(
-        model, tokenizer, req, given, chunk_tokens, constrained, steps, drafts, cut
+        model, tokenizer, req, given, chunk_tokens, constrained, steps, drafts, draft, cut
     ):
         deltas = []
         for i, row in enumerate(rows):
@@ -287,15 +297,17 @@ def _calls(
     constrained,
     steps,
     drafts: int,
+    draft=None,
     cut=lambda: False,
 ):
-    """Run `stream`'s calls (`steps`, drafting `drafts` tokens a step): the prefill and first
-    token, then the decode loop `chunk_tokens` tokens at a time, or one at a time under the
-    rows' grammars (`constrained`), until every row is done or `cut()`. After each call yields
+    """Run `stream`'s calls (`steps`, drafting `drafts` tokens a step, with the `draft` model if
+    not None): the prefill and first token, then the decode loop `chunk_tokens` tokens at a
+    time, or one at a time under the rows' grammars (`constrained`), until every row is done or
+    `cut()`. After each call yields
     each row's tokens `[rows, n]`, their counts (stop tokens left out), whether each row is done
     (a stop token, or its grammar complete) and whether the call was the last.
     """
-    the_plan, chunk, x = _prepare(model, tokenizer, req, given, steps, drafts)
+    the_plan, chunk, x = _prepare(model, tokenizer, req, given, steps, drafts, draft)
     n, rows = len(req.prompts), x["prompt"].shape[0]
     # The stream holds its scratch from the first call to the last; it goes back to the plan's
     # pool when the stream ends, and is dropped if the stream is abandoned or fails.

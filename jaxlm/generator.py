@@ -21,7 +21,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm import stops
-from jaxlm.decoding import STEP_FUNCTIONS, DecodeState, decode_step, prefill_step
+from jaxlm.decoding import (
+    DRAFT_STEP_FUNCTIONS,
+    STEP_FUNCTIONS,
+    DecodeState,
+    decode_step,
+    prefill_step,
+)
 from jaxlm.memory import (
     Layout,
     declarations,
@@ -35,10 +41,13 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 
 
 class Generator:
-    """Jitted steps of one model; shared by every plan of that model."""
+    """Jitted steps of one model, or of a model and the draft model that drafts for it (`draft`);
+    shared by every plan of that model (or pair)."""
 
-    def __init__(self, model: nnx.Module):
-        self.graphdef, self.params = nnx.split(model)
+    def __init__(self, model: nnx.Module, draft: nnx.Module | None = None):
+        self.drafting = draft is not None
+        self.table = DRAFT_STEP_FUNCTIONS if self.drafting else STEP_FUNCTIONS
+        self.graphdef, self.params = nnx.split((model, draft) if self.drafting else model)
         self.config = model.config
         self.dtype = model.dtype
         self.decode_state = DecodeState()
@@ -64,13 +73,13 @@ class Generator:
             return jax.jit(merged(fn), donate_argnums=1, keep_unused=True, **kwargs)
 
         self._jit = jit
-        self.prefill_step = jit(prefill_step)
-        self.decode_step = jit(decode_step)
-        self.start = self.jitted("start")
-        self.decode_loop = self.jitted("decode")
-        self.generate = self.jitted("generate")
-        self.generate_ngram = self.jitted("generate_ngram")
-        self.decode_ngram = self.jitted("decode_ngram")
+        # A plan's raw steps (`Plan.prefill`, `Plan.decode`) run a model without a draft.
+        self.prefill_step = None if self.drafting else jit(prefill_step)
+        self.decode_step = None if self.drafting else jit(decode_step)
+        # Each step of the table, jitted once: steps compiled on first use keep their traces.
+        self.steps = {name: self.jitted(name) for name in self.table}
+        # The generators of this model with each draft model (`generator_of`).
+        self.drafted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Plans made by `generate` for requests without one, by bucketed shape.
         self.plans: dict = {}
         # The bill of every plan built, by its sizes: a budget's search starts from them.
@@ -82,8 +91,12 @@ class Generator:
         Its traces are cached on it, so a plan that compiles through its own function and
         keeps only the executables lets the traces go (see `docs/performance.md`, "Host memory").
         """
-        fn, static = STEP_FUNCTIONS[step]
+        fn, static = self.table[step]
         return self._jit(fn, static_argnames=static)
+
+    def static_args(self, step: str) -> tuple[str, ...]:
+        """The static arguments of `step` (`"chunk"`, `"drafts"`)."""
+        return self.table[step][1]
 
     def _pin_scratch(self):
         """A function that keeps a step's returned scratch on the shardings it came in with.
@@ -98,9 +111,14 @@ class Generator:
             set_path(shardings, path, self.partitioner.sharding(spec.axes))
         return lambda scratch: jax.lax.with_sharding_constraint(scratch, shardings)
 
-    def declarations(self, model_module=None):
-        model = nnx.merge(self.graphdef, self.params) if model_module is None else model_module
-        return [*declarations(model), *declarations(self.decode_state, prefix=("decode",))]
+    def declarations(self, models=None):
+        """The scratch the steps run over: the model's pages, the draft model's (under
+        `"draft"`), and the loop's state; `models` is the model, or `(model, draft)`."""
+        models = nnx.merge(self.graphdef, self.params) if models is None else models
+        model, draft = models if self.drafting else (models, None)
+        drafted = [] if draft is None else declarations(draft, prefix=("draft",))
+        state = declarations(self.decode_state, prefix=("decode",))
+        return [*declarations(model), *drafted, *state]
 
     def abstract_inputs(self, batch: int, prompt_len: int):
         i32, f32 = jnp.int32, jnp.float32
@@ -126,13 +144,19 @@ _GENERATORS_LOCK = threading.Lock()
 _GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def generator_of(model: nnx.Module) -> Generator:
-    """The generator of `model`, made once per model object, also when threads ask at once."""
+def generator_of(model: nnx.Module, draft: nnx.Module | None = None) -> Generator:
+    """The generator of `model` (with `draft`, of the pair), made once per model object, also
+    when threads ask at once."""
     with _GENERATORS_LOCK:
         generator = _GENERATORS.get(model)
         if generator is None:
             generator = _GENERATORS[model] = Generator(model)
-    return generator
+        if draft is None:
+            return generator
+        drafted = generator.drafted.get(draft)
+        if drafted is None:
+            drafted = generator.drafted[draft] = Generator(model, draft)
+        return drafted
 
 
 def forget(model: nnx.Module) -> None:
@@ -141,6 +165,8 @@ def forget(model: nnx.Module) -> None:
     variables (`nnx.update`) need nothing: the generator's parameters are the model's variables."""
     with _GENERATORS_LOCK:
         _GENERATORS.pop(model, None)
+        for generator in _GENERATORS.values():
+            generator.drafted.pop(model, None)
 
 
 def weights_bytes(model: nnx.Module) -> int:
@@ -170,13 +196,14 @@ def compile_steps(
     }
     for name in ("generate", "decode"):
         args, kwargs = arguments[name]
-        arguments[f"{name}_ngram"] = (args, {**kwargs, "drafts": drafts})
+        for drafted in (f"{name}_ngram", f"{name}_draft"):
+            arguments[drafted] = (args, {**kwargs, "drafts": drafts})
+    arguments["start_draft"] = arguments["start"]
     for name in ("start", "decode"):
         args, kwargs = arguments[name]
         arguments[f"{name}_masked"] = (args, {**kwargs, "mask": x["mask"]})
-    unknown = set(steps) - set(arguments)
-    if unknown or not steps:
-        raise ValueError(f"`steps` must name some of {sorted(arguments)}, got {list(steps)}")
+    if set(steps) - set(generator.table) or not steps:
+        raise ValueError(f"`steps` must name some of {sorted(generator.table)}, got {list(steps)}")
     lowered = {}
     for name in steps:
         args, kwargs = arguments[name]

@@ -30,7 +30,7 @@ from jaxlm.memory import (
     resident_bytes,
 )
 from jaxlm.ops import platform, storage_dtype
-from jaxlm.speculative import check_weights, drafts_of
+from jaxlm.speculative import check_draft, check_weights, drafts_of
 
 # `plan(budget=)` sizes `max_seq_len` in steps of this many tokens.
 SEQ_STEP = 256
@@ -40,7 +40,7 @@ class Plan(Bill):
     """The scratch of one model for `max_batch` rows of `max_seq_len` tokens, and its bill.
 
     Attributes: `max_batch`, `max_seq_len`, `prefill_chunk`, `num_speculative_tokens` (the
-    tokens a step of the `_ngram` steps drafts), `layout` (the slots),
+    tokens a step of the `_ngram` and `_draft` steps drafts), `layout` (the slots),
     `weights_bytes`, `scratch_bytes`, `compiled` (the compiled steps, by name), `executables`
     (XLA's memory analysis of each), `temp_bytes` (the largest XLA temporaries) and
     `total_bytes` (the whole bill: the peak of the most demanding step, weights and scratch
@@ -169,12 +169,9 @@ class Plan(Bill):
         decode = name.startswith("decode")
         if name in self.compiled and (decode or prompt_len == chunk == self.prefill_chunk):
             return self.compiled[name]
-        drafts = {"drafts": self.num_speculative_tokens} if name.endswith("_ngram") else {}
-        if decode:
-            step = self.generator.decode_ngram if drafts else self.generator.decode_loop
-            return functools.partial(step, **drafts)
-        step = getattr(self.generator, name.removesuffix("_masked"))
-        return functools.partial(step, chunk=chunk, **drafts)
+        given = {"chunk": chunk, "drafts": self.num_speculative_tokens}
+        static = {k: given[k] for k in self.generator.static_args(name)}
+        return functools.partial(self.generator.steps[name], **static)
 
     def ran(self) -> None:
         """Note that a step of the plan has run; after the first, hand back the heap it freed.
@@ -186,6 +183,13 @@ class Plan(Bill):
         if not self._ran:
             self._ran = True
             release_host_memory()
+
+    def _check_raw(self) -> None:
+        if self.generator.drafting:
+            raise PlanError(
+                "`prefill` and `decode` run a plan without a draft model; this one drafts with "
+                "one: run it through `generate` or `stream`"
+            )
 
     def _check_batch(self, batch: int) -> None:
         if batch > self.max_batch:
@@ -202,6 +206,7 @@ class Plan(Bill):
         `lengths[b]`); returns the updated scratch and the logits `[batch, vocab]` of the last
         position. `scratch` is donated: use the returned one.
         """
+        self._check_raw()
         prompt = np.asarray(prompt, np.int32)
         if prompt.ndim != 2:
             raise ValueError(f"`prompt` must be [batch, seq], got shape {prompt.shape}")
@@ -224,6 +229,7 @@ class Plan(Bill):
         """Feed one token per row (`tokens` `[batch]`) at the next cache slot; returns the
         updated scratch and the logits `[batch, vocab]`. `scratch` is donated.
         """
+        self._check_raw()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         self._check_batch(tokens.shape[0])
         self.layout.check(scratch)
@@ -274,7 +280,7 @@ def plan(
     page_size: int | None = None,
     max_num_batched_tokens: int | None = None,
     decode_steps: int | None = None,
-    speculative: str | None = None,
+    speculative: str | nnx.Module | None = None,
     num_speculative_tokens: int | None = None,
 ):
     """Plan the scratch of `model` for `max_batch` rows of `max_seq_len` tokens, allocating nothing;
@@ -290,7 +296,10 @@ def plan(
     loop alone, as `stream` runs it between chunks), and `"start_masked"` and `"decode_masked"`,
     the same with each row's token mask (`response_format`, a token a call), and
     `"generate_ngram"` and `"decode_ngram"`, the same with prompt-lookup drafts
-    (`speculative="ngram"`), `num_speculative_tokens` (3) a step. Prompts shorter
+    (`speculative="ngram"`), `num_speculative_tokens` (3) a step. With a draft model as
+    `speculative` (a smaller model of the same vocabulary), the steps are `"generate_draft"`,
+    `"start_draft"` and `"decode_draft"` (the first and last unless `steps` says otherwise), and
+    the bill counts the draft model's weights and pages too. Prompts shorter
     than `prefill_chunk` run executables of their own bucket, compiled on first use; their
     temporaries are smaller.
     Works on abstract models (`nnx.eval_shape`) too.
@@ -334,19 +343,21 @@ def plan(
             speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
         )
+    draft = speculative if isinstance(speculative, nnx.Module) else None
     paged = dict(
         num_pages=num_pages,
         page_size=page_size,
         max_num_batched_tokens=max_num_batched_tokens,
         decode_steps=decode_steps,
-        speculative=speculative,
+        speculative=None if draft is not None else speculative,
     )
     given = [f"`{k}`" for k, v in paged.items() if v is not None]
     if given:
         raise ValueError(f"{', '.join(given)} size an engine's plan: give `max_num_seqs` too")
     max_batch = 1 if max_batch is None else max_batch
-    steps = ("generate", "decode") if steps is None else steps
-    drafting = any(str(name).endswith("_ngram") for name in steps)
+    if steps is None:
+        steps = ("generate_draft", "decode_draft") if draft is not None else ("generate", "decode")
+    drafting = any(str(name).endswith(("_ngram", "_draft")) for name in steps)
     if num_speculative_tokens is not None and not drafting:
         raise ValueError(
             "`num_speculative_tokens` sizes the steps with drafts: name one in `steps`, "
@@ -355,12 +366,16 @@ def plan(
     drafts = drafts_of("ngram", num_speculative_tokens)
     if drafting:
         check_weights(model)
+    if draft is not None:
+        check_draft(model, draft)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"`max_batch` must be a positive integer, got {max_batch!r}")
     limit = parse_bytes(budget) if budget is not None else None
     if max_seq_len is None and limit is None:
         raise ValueError("give `max_seq_len`, `budget`, or both")
-    generator = generator_of(model)
+    generator = generator_of(model, draft)
+    # What the steps run: the model, or the model and its draft model.
+    model = model if draft is None else (model, draft)
 
     def key(seq: int) -> tuple:
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, seq)

@@ -89,6 +89,8 @@ _PLAN_LOCK = threading.Lock()
 GENERATE, STREAM, MASKED = ("generate",), ("start", "decode"), ("start_masked", "decode_masked")
 # The same with prompt-lookup drafts (`speculative="ngram"`).
 GENERATE_NGRAM, STREAM_NGRAM = ("generate_ngram",), ("start", "decode_ngram")
+# The same with a draft model's drafts (`speculative=` a model).
+GENERATE_DRAFT, STREAM_DRAFT = ("generate_draft",), ("start_draft", "decode_draft")
 
 
 def plan_for(
@@ -100,19 +102,21 @@ def plan_for(
     given: Plan | None,
     steps: tuple[str, ...],
     drafts: int,
+    draft=None,
 ) -> Plan:
     """The plan of a request's shapes: `given`, else the one kept for them, made if none is;
-    `drafts` are the tokens a step of the `_ngram` steps drafts."""
+    `drafts` are the tokens a step of the `_ngram` and `_draft` steps drafts, the latter with
+    the `draft` model."""
+    generator = generator_of(model, draft)
     if given is not None:
-        if given.generator is not generator_of(model):
-            raise PlanError("`plan` was made for another model")
+        if given.generator is not generator:
+            raise PlanError("`plan` was made for another model, or another draft model")
         if drafts and given.num_speculative_tokens != drafts:
             raise PlanError(
                 f"`num_speculative_tokens={drafts}` differs from the plan's "
                 f"{given.num_speculative_tokens}"
             )
         return given
-    generator = generator_of(model)
     # The plan compiles the steps of this request for exactly its prompt bucket, so the
     # executables it accounts for are the ones the request runs.
     key = (batch, p, seq, steps, drafts)
@@ -126,6 +130,7 @@ def plan_for(
                 max_seq_len=seq,
                 prefill_chunk=chunk,
                 steps=steps,
+                speculative=draft,
                 num_speculative_tokens=drafts or None,
             )
         plans[key] = the_plan  # the most recent last

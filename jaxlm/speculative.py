@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlm.sharding import mesh_of
+
 # The ways `generate` and `LLMEngine` draft (their `speculative=`).
 METHODS = ("ngram",)
 # Tokens drafted per step unless `num_speculative_tokens` says otherwise: a chunk of 4 ran in
@@ -34,11 +36,15 @@ MAX_BACKOFF = 16
 NGRAM_SIZES = (3, 2)
 
 
-def drafts_of(speculative, num_speculative_tokens=None) -> int:
+def drafts_of(speculative, num_speculative_tokens=None, draft_models: bool = False) -> int:
     """The tokens a step drafts for `speculative` and `num_speculative_tokens` (0 without
-    drafts), or a `ValueError` that names the argument and its limit."""
-    if speculative is not None and speculative not in METHODS:
-        raise ValueError(f"`speculative` must be one of {METHODS} or None, got {speculative!r}")
+    drafts), or a `ValueError` that names the argument and its limit. `speculative` is a method
+    of `METHODS`, None, or where `draft_models` allows, a draft model."""
+    model = isinstance(speculative, nnx.Module)
+    if not (speculative is None or (model and draft_models) or speculative in METHODS):
+        allowed = f"one of {METHODS}" + (", a draft model" if draft_models else "")
+        got = f"a model ({type(speculative).__name__})" if model else repr(speculative)
+        raise ValueError(f"`speculative` must be {allowed} or None, got {got}")
     if num_speculative_tokens is None:
         return 0 if speculative is None else DRAFT
     if speculative is None:
@@ -60,6 +66,23 @@ def check_weights(model) -> None:
         raise ValueError(
             "`speculative` keeps the tokens of plain decoding with float or int8 weights; this "
             'model has 4-bit weights (`quantize="int4"`), where drafts would change them'
+        )
+
+
+def check_draft(model, draft) -> None:
+    """Refuse a draft model that cannot draft for `model`: one of another vocabulary, or either
+    split over a mesh (the draft's pages would need the model's rules for its own heads)."""
+    vocab = getattr(getattr(draft, "config", None), "vocab_size", None)
+    if vocab != model.config.vocab_size:
+        raise ValueError(
+            f"`speculative`: a draft model needs the model's vocabulary of "
+            f"{model.config.vocab_size} tokens (the same tokenizer), got "
+            f"{'no jaxlm model' if vocab is None else f'one of {vocab}'}"
+        )
+    if mesh_of(nnx.state(model)) is not None or mesh_of(nnx.state(draft)) is not None:
+        raise ValueError(
+            "`speculative`: a draft model drafts on one device, for a model on one device; "
+            'drafts on a mesh are prompt lookups (`speculative="ngram"`)'
         )
 
 

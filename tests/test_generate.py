@@ -155,8 +155,10 @@ def test_one_dispatch_per_generate_and_a_while_loop(tiny_llama, monkeypatch):
 
         return counted
 
-    for name in ("prefill_step", "decode_step", "start", "decode_loop", "generate"):
+    for name in ("prefill_step", "decode_step"):
         monkeypatch.setattr(generator, name, counter(getattr(generator, name), f"generator.{name}"))
+    for name, step in generator.steps.items():
+        monkeypatch.setitem(generator.steps, name, counter(step, f"generator.steps[{name!r}]"))
     monkeypatch.setitem(plan.compiled, "generate", counter(plan.compiled["generate"], "plan"))
     jaxlm.generate(model, None, PROMPTS, max_new_tokens=6, temperature=0.7)
     # One call, to the executable the plan compiled and accounted for.

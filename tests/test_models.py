@@ -131,9 +131,11 @@ def test_a_step_traces_one_layer_for_all_layers(tmp_path):
     generator = plan.generator
     x = generator.abstract_inputs(1, 4)
     params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), generator.params)
-    jaxpr = generator.decode_loop.trace(
-        params, plan.layout.abstract(), x["params"], x["stops"], x["limit"]
-    ).jaxpr
+    jaxpr = (
+        generator.steps["decode"]
+        .trace(params, plan.layout.abstract(), x["params"], x["stops"], x["limit"])
+        .jaxpr
+    )
 
     def eqns(jaxpr):
         for eqn in jaxpr.eqns:

@@ -203,6 +203,14 @@ def test_batch_must_divide_over_data(saved):
         jaxlm.plan(model, max_batch=2, max_seq_len=32)
 
 
+def test_a_draft_model_is_refused_on_a_mesh(saved):
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
+    draft, _ = jaxlm.load(saved["qwen2"])
+    for target, drafter in ((model, draft), (draft, model)):
+        with pytest.raises(ValueError, match="a draft model drafts on one device"):
+            jaxlm.generate(target, None, [1, 2], max_new_tokens=2, speculative=drafter)
+
+
 def test_bad_mesh_shapes(saved):
     with pytest.raises(jaxlm.ShardingError, match="needs 6 devices, there are 4"):
         jaxlm.load(saved["llama_gqa4"], mesh=(2, 3))

@@ -1,0 +1,150 @@
+"""A draft model's drafts (`speculative=` a model): the tokens of `generate` and `stream` the same
+as without drafts, every draft of a draft that is the model itself kept, and the plan's bill
+counting the draft model's weights and pages."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import BASE, make_hf_model
+from flax import nnx
+
+import jaxlm
+from jaxlm.errors import PlanError
+from jaxlm.speculative import DRAFT
+
+# Prompts that repeat themselves, as in `tests/test_speculative.py`.
+LOOPS = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4 + [9, 10]]
+# The first token, then five chunks of a token and its drafts. The tests share this length and
+# the default drafts, so that they share the steps compiled for them.
+NEW_TOKENS = 1 + 5 * (DRAFT + 1)
+# A plan's decode step alone, for the tests of its bill and its refusals.
+DECODE = ("decode_draft",)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama, tmp_path_factory):
+    """The tiny Llama and a smaller random model of the same vocabulary to draft for it."""
+    path = tmp_path_factory.mktemp("draft")
+    make_hf_model(path, "llama_gqa3_tied_linear", seed=5)
+    return jaxlm.load(tiny_llama[0])[0], jaxlm.load(path)[0]
+
+
+def _tokens(outputs):
+    return [o.token_ids for o in outputs]
+
+
+def test_a_draft_that_is_the_model_keeps_every_draft(models):
+    model, _ = models
+    kwargs = dict(max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    plain = jaxlm.generate(model, None, LOOPS, **kwargs)
+    drafted = jaxlm.generate(model, None, LOOPS, speculative=model, **kwargs)
+    assert _tokens(drafted) == _tokens(plain)
+    assert all(len(o.token_ids) == NEW_TOKENS for o in drafted)
+    assert [o.drafted_tokens for o in drafted] == [o.accepted_tokens for o in drafted]
+    assert [o.accepted_tokens for o in drafted] == [5 * DRAFT] * 2
+
+
+def test_another_draft_model_gives_the_same_tokens(models):
+    model, draft = models
+    kwargs = dict(max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    plain = jaxlm.generate(model, None, LOOPS, **kwargs)
+    drafted = jaxlm.generate(model, None, LOOPS, speculative=draft, **kwargs)
+    assert _tokens(drafted) == _tokens(plain)
+    assert all(0 <= o.accepted_tokens <= o.drafted_tokens for o in drafted)
+    assert all(o.drafted_tokens > 0 and o.drafted_tokens % DRAFT == 0 for o in drafted)
+
+
+def test_seeded_samples_are_the_same_with_a_draft_model(models):
+    model, draft = models
+    for temperature in ([0.002, 1.0], 0.002):
+        sampled = dict(seed=7, temperature=temperature, top_k=[0, 8], stop_token_ids=[3])
+        plain = jaxlm.generate(model, None, LOOPS, max_new_tokens=NEW_TOKENS, **sampled)
+        for drafter in (draft, model):
+            drafted = jaxlm.generate(
+                model, None, LOOPS, max_new_tokens=NEW_TOKENS, speculative=drafter, **sampled
+            )
+            assert _tokens(drafted) == _tokens(plain)
+            assert [o.finish_reason for o in drafted] == [o.finish_reason for o in plain]
+    # Near zero, the samples are the greedy tokens: the model's own drafts were kept.
+    assert min(o.accepted_tokens for o in drafted) > 0
+
+
+def test_stream_with_a_draft_model_yields_the_text_of_generate(tiny_chat, tmp_path):
+    model, tokenizer = jaxlm.load(tiny_chat)
+    # A one-layer draft of the tokenizer's vocabulary.
+    sizes = dict(vocab_size=model.config.vocab_size, hidden_size=32, num_hidden_layers=1)
+    torch.manual_seed(2)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**BASE, **sizes})).save_pretrained(
+        tmp_path
+    )
+    draft, _ = jaxlm.load(tmp_path)
+    prompt = "The capital of France is Paris. The capital of France is"
+    kwargs = dict(max_new_tokens=24, stop_token_ids=[])
+    (out,) = jaxlm.generate(model, tokenizer, prompt, **kwargs)
+    # Calls of 5 tokens: the draft model's pages follow the tokens across the calls.
+    pieces = list(
+        jaxlm.stream(model, tokenizer, prompt, speculative=draft, chunk_tokens=5, **kwargs)
+    )
+    assert len([d for d in pieces if d.text]) > 1
+    assert [t for d in pieces for t in d.token_ids] == out.token_ids
+    assert "".join(d.text for d in pieces) == out.text
+    assert pieces[-1].finish_reason == "length"
+
+
+def test_the_plan_bills_the_draft_model_and_runs_in_place(models):
+    model, draft = models
+    # Prompts of `LOOPS`' bucket run the plan's own executables.
+    plan = jaxlm.plan(model, max_batch=2, max_seq_len=64, prefill_chunk=32, speculative=draft)
+    nbytes = lambda m: sum(np.asarray(x).nbytes for x in jax.tree.leaves(nnx.state(m)))
+    assert plan.weights_bytes == nbytes(model) + nbytes(draft)
+    # Each model's keys and values, float32, for every slot of both rows.
+    pages = lambda c: c.num_hidden_layers * 2 * 2 * 64 * c.num_key_value_heads * c.head_dim * 4
+    assert plan.kv_cache_bytes == pages(model.config) + pages(draft.config)
+    assert sorted(plan.compiled) == ["decode_draft", "generate_draft"]
+    # A draft that is the model itself shares its weights: they count once.
+    shared = jaxlm.plan(model, max_batch=2, max_seq_len=64, speculative=model, steps=DECODE)
+    assert shared.weights_bytes == nbytes(model)
+    for executable in plan.executables.values():
+        assert executable.alias == plan.scratch_bytes
+    kwargs = dict(plan=plan, speculative=draft, stop_token_ids=[])
+    jaxlm.generate(model, None, LOOPS, max_new_tokens=8, **kwargs)
+    (held,) = plan._pool
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)]
+    with jaxlm.CompileCounter() as compiles:
+        out = jaxlm.generate(model, None, LOOPS[::-1], max_new_tokens=30, **kwargs)
+    assert compiles.builds == 0
+    assert _tokens(out) == _tokens(
+        jaxlm.generate(model, None, LOOPS[::-1], max_new_tokens=30, stop_token_ids=[])
+    )
+    (held,) = plan._pool
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)] == pointers
+
+
+def test_bad_draft_models_are_refused(models, tiny_chat):
+    model, draft = models
+    other, _ = jaxlm.load(tiny_chat)
+    vocabulary = f"needs the model's vocabulary of {model.config.vocab_size} tokens"
+    with pytest.raises(ValueError, match=f"{vocabulary} .*, got one of {other.config.vocab_size}"):
+        jaxlm.generate(model, None, [1, 2], max_new_tokens=2, speculative=other)
+    with pytest.raises(ValueError, match=f"{vocabulary} .*, got no jaxlm model"):
+        jaxlm.generate(
+            model, None, [1, 2], max_new_tokens=2, speculative=nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        )
+    with pytest.raises(ValueError, match=r"got a model \(LlamaForCausalLM\)"):
+        jaxlm.plan(model, max_num_seqs=2, max_seq_len=64, speculative=draft)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
+    with pytest.raises(ValueError, match="`speculative` and `response_format`"):
+        jaxlm.generate(
+            model, None, [1, 2], max_new_tokens=2, speculative=draft, response_format=schema
+        )
+    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32, speculative=draft, steps=DECODE)
+    with pytest.raises(PlanError, match="made for another model, or another draft model"):
+        jaxlm.generate(model, None, [1, 2], max_new_tokens=2, plan=plan)
+    with pytest.raises(PlanError, match="`prefill` and `decode` run a plan without a draft"):
+        plan.prefill(plan.allocate(), [[1, 2]])
+    with pytest.raises(ValueError, match="`steps` must name some of"):
+        jaxlm.plan(model, max_batch=1, max_seq_len=32, speculative=draft, steps=("generate",))
