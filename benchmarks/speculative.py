@@ -1,5 +1,5 @@
 """Prompt-lookup drafts (`speculative="ngram"`) against plain decoding, in `generate` at batch 1
-or in an `LLMEngine`.
+or in an `LLMEngine`; with `--draft-model`, a draft model's drafts in `generate`.
 
 Each task is one chat prompt, answered greedily with and without drafts; the tokens must be the
 same. Tasks whose answer repeats the prompt (a text copied out, a function given back with a
@@ -7,6 +7,8 @@ docstring) are where drafts pay; open-ended ones (a story, an explanation) are w
 cost nothing. Per repeat, `generate` runs once with 1 new token and once with `--new-tokens`,
 without drafts and then with; decode tok/s is the tokens after the first over the difference.
 The table gives both rates (medians), their ratio, and the drafts proposed and kept.
+`--draft-model PATH` drafts with the model at PATH (`same`: `--model` again) instead, its
+weights stored as `--draft-quantize` says (int8: a cheaper copy of the same model).
 
 With `--engine`, one `LLMEngine(speculative="ngram")` of `--max-num-seqs` slots serves each task
 alone and then every task `--copies` times at once (a mixed load), each request with drafts and
@@ -22,6 +24,7 @@ weights), so the table says whether its two runs agree with each other.
 
 Usage: python benchmarks/speculative.py [--model PATH] [--quantize int8] [--tasks A,B]
     [--new-tokens 128] [--repeats 5] [--num-speculative-tokens 3] [--json PATH]
+    [--draft-model PATH|same [--draft-quantize int8]]
     [--engine [--max-num-seqs 8] [--copies 8] [--max-num-batched-tokens 256]]
     [--vs llama.cpp [--llama-server PATH] [--llama-spec-type ngram-simple]]
 """
@@ -75,12 +78,13 @@ def _asked(how, drafts) -> dict:
     return {} if how is None else dict(speculative=how, num_speculative_tokens=drafts)
 
 
-def _decode_rates(model, tokenizer, prompt, new_tokens, repeats, drafts):
-    """Median decode tok/s without and with drafts, and the last result of each; the two
-    alternate run by run, after runs that compile, so that drift falls on both alike."""
+def _decode_rates(model, tokenizer, prompt, new_tokens, repeats, drafts, drafter):
+    """Median decode tok/s without and with drafts (`drafter`: `"ngram"` or a draft model), and
+    the last result of each; the two alternate run by run, after runs that compile, so that
+    drift falls on both alike."""
     import jaxlm
 
-    ways = (None, "ngram")
+    ways = (None, drafter)
     for how in ways:
         for n in (1, new_tokens):
             jaxlm.generate(model, tokenizer, prompt, max_new_tokens=n, **_asked(how, drafts))
@@ -106,7 +110,7 @@ def _result(task, tokens, plain, drafted, kept, made, same) -> dict:
         task=task,
         tokens=tokens,
         plain_tok_s=plain,
-        ngram_tok_s=drafted,
+        drafted_tok_s=drafted,
         ratio=drafted / plain,
         drafted=made,
         accepted=kept,
@@ -114,9 +118,9 @@ def _result(task, tokens, plain, drafted, kept, made, same) -> dict:
     )
 
 
-def _generate_result(model, tokenizer, task, ids, args) -> dict:
+def _generate_result(model, tokenizer, task, ids, args, drafter) -> dict:
     (plain, base), (drafted, out) = _decode_rates(
-        model, tokenizer, ids, args.new_tokens, args.repeats, args.num_speculative_tokens
+        model, tokenizer, ids, args.new_tokens, args.repeats, args.num_speculative_tokens, drafter
     )
     kept, made = out[0].accepted_tokens, out[0].drafted_tokens
     same = out[0].token_ids == base[0].token_ids
@@ -238,7 +242,7 @@ def _print_table(results, way: str) -> None:
             r["task"],
             str(r["tokens"]),
             f"{r['plain_tok_s']:.1f}",
-            f"{r['ngram_tok_s']:.1f}",
+            f"{r['drafted_tok_s']:.1f}",
             f"{r['ratio']:.2f}x",
             f"{r['accepted']} / {r['drafted']}",
             "yes" if r["same_tokens"] else "NO",
@@ -266,13 +270,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's slots")
     p.add_argument("--copies", type=int, default=8, help="each task's requests in the mixed load")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="the engine's step")
+    p.add_argument(
+        "--draft-model", default=None, help="draft with this model (`same`: `--model` again)"
+    )
+    p.add_argument("--draft-quantize", default=None, help="the draft model's weights: int8")
     p.add_argument("--vs", action="append", default=[], choices=["llama.cpp"])
     p.add_argument("--llama-server", default=None, help="llama.cpp's server binary")
     p.add_argument(
         "--llama-spec-type", default="ngram-simple", help="llama-server's `--spec-type` drafts"
     )
     args = p.parse_args(argv)
+    if args.draft_model and args.engine:
+        p.error("`--draft-model` drafts in `generate`; `--engine` drafts by prompt lookup")
     model, tokenizer = jaxlm.load(args.model, progress=False, quantize=args.quantize)
+    drafter, way = "ngram", "ngram"
+    if args.draft_model:
+        path = args.model if args.draft_model == "same" else args.draft_model
+        drafter, _ = jaxlm.load(path, progress=False, quantize=args.draft_quantize)
+        way = f"draft model ({args.draft_model}, {args.draft_quantize or 'as stored'})"
     prompts = {
         task: tokenizer.encode(
             tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}]),
@@ -284,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine:
             results = _engine_main(args, model, tokenizer, prompts)
         else:
-            results = [_generate_result(model, tokenizer, t, p, args) for t, p in prompts.items()]
+            results = [
+                _generate_result(model, tokenizer, t, p, args, drafter) for t, p in prompts.items()
+            ]
     busy = load.cores
-    _print_table(results, "ngram")
+    _print_table(results, way)
     print(f"load: {busy:.2f} cores kept busy by other processes (above 0.1: measure again)")
-    report = dict(results=results, load=busy)
+    report = dict(results=results, load=busy, drafts=way)
     if "llama.cpp" in args.vs:
         report["llama.cpp"], skipped = _llama_cpp_main(args, prompts)
         report["skipped"] = {"llama.cpp": skipped} if skipped else {}

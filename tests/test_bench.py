@@ -254,8 +254,9 @@ def test_serve_benchmark_times_every_request(tiny_tied, tmp_path, capsys):
             *("--engine", "--max-num-seqs", "2", "--copies", "2"),
             *("--max-num-batched-tokens", "64", "--vs", "llama.cpp"),
         ],
+        ["--draft-model", "same", "--draft-quantize", "int8"],
     ],
-    ids=["generate", "engine"],
+    ids=["generate", "engine", "draft model"],
 )
 def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_path, engine):
     speculative = load_benchmark("speculative")
@@ -265,12 +266,14 @@ def test_speculative_benchmark_gives_the_same_tokens_both_ways(tiny_chat, tmp_pa
     argv += ["--num-speculative-tokens", "2"]
     assert speculative.main([*argv, *engine, "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    tasks = ["explain (alone)", "all tasks x2, 2 slots"] if engine else ["explain"]
+    tasks = ["explain (alone)", "all tasks x2, 2 slots"] if "--engine" in engine else ["explain"]
     assert [r["task"] for r in results] == tasks
     assert all(r["same_tokens"] and r["accepted"] <= r["drafted"] for r in results)
     assert all(r["drafted"] % 2 == 0 for r in results)
-    assert all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in results)
-    if engine:
+    assert all(r["plain_tok_s"] > 0 and r["drafted_tok_s"] > 0 for r in results)
+    if "--draft-model" in engine:
+        assert json.loads(out.read_text())["drafts"] == "draft model (same, int8)"
+    if "--engine" in engine:
         # llama.cpp runs GGUF files only, and says so rather than failing the run.
         report = json.loads(out.read_text())
         assert report["llama.cpp"] == []
