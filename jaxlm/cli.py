@@ -80,6 +80,18 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
         default=None,
         help="draft tokens from the prompt and check them in the same step (the same output)",
     )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft tokens with this smaller model of the same tokenizer instead (a .gguf file "
+        "or Hugging Face directory; `same`: --model again), checked the same way",
+    )
+    p.add_argument(
+        "--draft-quantize",
+        choices=("int8", "int4"),
+        default=None,
+        help="store the draft model's weights in int8 or int4",
+    )
     _drafts_option(p)
 
 
@@ -164,8 +176,29 @@ def _params(args):
     return SamplingParams(args.max_new_tokens, seed=args.seed, stop=args.stop, **fields)
 
 
+def _check_drafts(args) -> None:
+    """Refuse a bad drafting option before the model loads."""
+    from jaxlm.speculative import drafts_of
+
+    draft = getattr(args, "draft_model", None)
+    if draft is not None and args.speculative is not None:
+        raise ValueError("give `--speculative` or `--draft-model`, not both")
+    if getattr(args, "draft_quantize", None) is not None and draft is None:
+        raise ValueError("`--draft-quantize` needs `--draft-model`")
+    if draft not in (None, "same") and not Path(draft).exists():
+        raise ValueError(f"`--draft-model` {draft}: no such file or directory")
+    drafts_of("ngram" if draft is not None else args.speculative, args.num_speculative_tokens)
+
+
 def _speculative(args) -> dict:
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    """`generate`'s drafting arguments: the method, or the draft model, loaded."""
+    speculative = args.speculative
+    if args.draft_model is not None:
+        import jaxlm
+
+        path = args.model if args.draft_model == "same" else args.draft_model
+        speculative, _ = jaxlm.load(path, dtype=args.dtype, quantize=args.draft_quantize)
+    return dict(speculative=speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -261,8 +294,8 @@ def _generate(args) -> None:
         args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
     )
     wrote = False
-    params = _params(args)
-    for delta in jaxlm.stream(model, tokenizer, args.prompt, params, **_speculative(args)):
+    params, drafting = _params(args), _speculative(args)
+    for delta in jaxlm.stream(model, tokenizer, args.prompt, params, **drafting):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
         wrote = wrote or bool(delta.text)
@@ -281,6 +314,7 @@ def _chat(args) -> None:
     model, tokenizer = jaxlm.load(
         args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
     )
+    drafting = _speculative(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     interactive = sys.stdin.isatty()
@@ -301,9 +335,7 @@ def _chat(args) -> None:
             continue
         messages.append({"role": "user", "content": text})
         reply = []
-        pieces = jaxlm.chat(
-            model, tokenizer, messages, _params(args), stream=True, **_speculative(args)
-        )
+        pieces = jaxlm.chat(model, tokenizer, messages, _params(args), stream=True, **drafting)
         for piece in pieces:
             reply.append(piece)
             sys.stdout.write(piece)
@@ -425,9 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             _processes(args)
         if args.command in ("generate", "chat", "serve"):
-            from jaxlm.speculative import drafts_of
-
-            drafts_of(args.speculative, args.num_speculative_tokens)
+            _check_drafts(args)
         if args.command == "bench":
             from jaxlm.bench import run
 

@@ -96,6 +96,12 @@ HOSTS = ("--num-processes", "2", "--coordinator", "10.0.0.1:1234", "--mesh", "1,
         (("generate", "Hi", "--speculative", "eagle"), "invalid choice: 'eagle'"),
         (("generate", "Hi", "--num-speculative-tokens", "2"), "needs `speculative`"),
         (
+            ("generate", "Hi", "--speculative", "ngram", "--draft-model", "same"),
+            "give `--speculative` or `--draft-model`, not both",
+        ),
+        (("chat", "--draft-model", "/no/such/draft.gguf"), "`--draft-model` /no/such/draft.gguf"),
+        (("generate", "Hi", "--draft-quantize", "int8"), "needs `--draft-model`"),
+        (
             ("serve", "--speculative", "ngram", "--num-speculative-tokens", "17"),
             "`num_speculative_tokens` must be an integer from 1 to 16",
         ),
@@ -188,6 +194,33 @@ def test_the_sampling_options_reach_stream(monkeypatch, capsys):
     params = got["params"]
     assert isinstance(params, jaxlm.SamplingParams)
     assert params.top_k == 5 and params.stop == ["!"] and params.max_new_tokens == 64
+
+
+def test_a_draft_model_reaches_stream(monkeypatch, capsys):
+    # The same stand-ins: the draft model loads once, from `--model`'s file with its own
+    # `--draft-quantize`, and `stream` drafts with it.
+    import jaxlm
+    from jaxlm import cli
+
+    loads, got = [], {}
+
+    def load(path, **kwargs):
+        loads.append((path, kwargs["quantize"]))
+        return object(), None
+
+    def stream(model, tokenizer, prompt, params, **kwargs):
+        got.update(kwargs, model=model)
+        yield jaxlm.Delta("text", [1], finish_reason="length")
+
+    monkeypatch.setattr(jaxlm, "load", load)
+    monkeypatch.setattr(jaxlm, "stream", stream)
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    argv = ["generate", "Hi", "--model", "m.gguf", "--draft-model", "same"]
+    assert cli.main([*argv, "--draft-quantize", "int8", "--num-speculative-tokens", "4"]) == 0
+    assert capsys.readouterr().out == "text\n"
+    assert loads == [("m.gguf", None), ("m.gguf", "int8")]
+    assert got["speculative"] is not got["model"] and got["num_speculative_tokens"] == 4
 
 
 def test_the_executable_reports_an_error_in_one_line(env):
