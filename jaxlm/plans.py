@@ -145,10 +145,10 @@ def plan_for(
 
 
 class GenerationPlans:
-    """The plans `generate`, `stream` and `chat` keep for a model (`jaxlm.plans_of`), the most
-    recent first: each compiled for one bucketed shape (rows, prompt, cache length). Only the
-    most recent holds scratch between calls, and at most `KEPT_PLANS` are kept; `clear()` frees
-    them all.
+    """The plans `generate`, `stream` and `chat` keep for a model (`jaxlm.plans_of`): those it
+    drafts for with each draft model after its own, the most recent first, each compiled for
+    one bucketed shape (rows, prompt, cache length). Only the most recent of each holds scratch
+    between calls, and at most `KEPT_PLANS` of each are kept; `clear()` frees them all.
 
     Example:
         >>> jaxlm.generate(model, tokenizer, "Hello", max_new_tokens=8)
@@ -160,15 +160,18 @@ class GenerationPlans:
     def __init__(self, generator):
         self._generator = generator
 
+    def _generators(self) -> list:
+        return [self._generator, *self._generator.drafted.values()]
+
     def _plans(self) -> list[Plan]:
         with _PLAN_LOCK:
-            return list(self._generator.plans.values())[::-1]
+            return [p for g in self._generators() for p in list(g.plans.values())[::-1]]
 
     def __iter__(self) -> Iterator[Plan]:
         return iter(self._plans())
 
     def __len__(self) -> int:
-        return len(self._generator.plans)
+        return len(self._plans())
 
     def __getitem__(self, i: int) -> Plan:
         return self._plans()[i]
@@ -176,15 +179,15 @@ class GenerationPlans:
     def clear(self) -> None:
         """Drop every plan, its executables and its scratch (requests running keep theirs)."""
         with _PLAN_LOCK:
-            for p in self._generator.plans.values():
-                p.release()
-            self._generator.plans.clear()
+            for generator in self._generators():
+                for p in generator.plans.values():
+                    p.release()
+                generator.plans.clear()
 
     def __repr__(self) -> str:
         rows = [f"  {p!r}" + (", holds its scratch" if p.pooled else "") for p in self._plans()]
-        return "\n".join(
-            [f"{len(rows)} plans (at most {KEPT_PLANS}), the most recent first:", *rows]
-        )
+        kept = f"at most {KEPT_PLANS} without a draft model and {KEPT_PLANS} with each"
+        return "\n".join([f"{len(rows)} plans ({kept}), the most recent first:", *rows])
 
 
 def plans_of(model) -> GenerationPlans:

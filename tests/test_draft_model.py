@@ -93,6 +93,13 @@ def test_stream_with_a_draft_model_yields_the_text_of_generate(tiny_chat, tmp_pa
     assert [t for d in pieces for t in d.token_ids] == out.token_ids
     assert "".join(d.text for d in pieces) == out.text
     assert pieces[-1].finish_reason == "length"
+    # The plan with the draft model is the model's too: seen, holding its scratch, and freed.
+    plans = jaxlm.plans_of(model)
+    assert [p.generator.drafting for p in plans] == [False, True]
+    drafted = plans[1]
+    assert drafted.pooled and "draft" in {s.path[0] for s in drafted.layout.slots}
+    plans.clear()
+    assert len(jaxlm.plans_of(model)) == 0 and not drafted.pooled
 
 
 def test_the_plan_bills_the_draft_model_and_runs_in_place(models):
