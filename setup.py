@@ -17,7 +17,7 @@ def _extensions() -> list[Extension]:
     return [
         Extension(
             "jaxlm.kernels._native",
-            sources=[str(CSRC / name) for name in ("isa.cc", "w8.cc", "w4.cc", "rows.cc")],
+            sources=[str(p) for p in sorted(CSRC.glob("*.cc"))],
             include_dirs=[str(Path(jaxlib.__file__).parent / "include")],
             depends=[str(CSRC / "common.h")],
             # No fused multiply-adds contracted from the rounding of activations, which must

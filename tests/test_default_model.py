@@ -105,16 +105,26 @@ def test_loading_leaves_no_executables_behind(dtype):
     assert live_executables_after(f"jaxlm.load(dtype='{dtype}', progress=False)") == []
 
 
+# The token of the third recorded prompt at which bfloat16 meets a near-tie.
+NEAR_TIE = 16
+
+
 @pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", None), ("float32", "int8")])
 def test_greedy_tokens_equal_the_recorded_ones(dtype, quantize):
     # The ids `generate` gave before the engine work of this round (`tests/data/README.md`);
-    # float32's are llama.cpp's, above. bfloat16's hold under the suite's XLA flags
-    # (`conftest.DEFAULT_MODEL_FLAGS`); with XLA's default optimizations the paged attention
-    # takes the other side of a near-tie at the third prompt's 17th token (float32's logits
-    # 18.617 and 18.612, closer than bfloat16 resolves), where 661e5d7's contiguous cache did not.
+    # float32's are llama.cpp's, above.
     recorded = json.loads((ROOT / "tests" / "data" / "smollm2_jaxlm_greedy.json").read_text())
     model, tokenizer = jaxlm.load(dtype=dtype, quantize=quantize, progress=False)
     out = jaxlm.generate(
         model, tokenizer, recorded["prompts"], max_new_tokens=32, stop_token_ids=[]
     )
-    assert [o.token_ids for o in out] == recorded[dtype + (f"+{quantize}" if quantize else "")]
+    got, want = [o.token_ids for o in out], recorded[dtype + (f"+{quantize}" if quantize else "")]
+    if dtype == "bfloat16":
+        # bfloat16 cannot resolve the third prompt's 17th token: float32's logits of its two
+        # likeliest, 18.617 (1343, the recorded one) and 18.612 (253), lie closer than
+        # bfloat16's step there. The native 16-bit products (`jaxlm.kernels.w16_matmul`) sum in
+        # another order than XLA's product did and take 253, as XLA's default optimizations
+        # did before them; the text after it differs, and is not compared.
+        assert got[2][NEAR_TIE] in (want[2][NEAR_TIE], 253)
+        got[2], want[2] = got[2][:NEAR_TIE], want[2][:NEAR_TIE]
+    assert got == want

@@ -1,6 +1,7 @@
 """The native CPU products (`jaxlm.kernels`) against NumPy computations of the same quantized
-products, on every path this CPU runs, and its rows against NumPy's; the 4-bit format against
-`gguf.quants`; bad input; the fallback to XLA's products; the C++ sources' formatting."""
+and 16-bit products, on every path this CPU runs, and its rows against NumPy's; the 4-bit
+format against `gguf.quants`; bad input; the fallback to XLA's products; the C++ sources'
+formatting."""
 
 from __future__ import annotations
 
@@ -135,6 +136,42 @@ def test_w4_equals_numpy(isa, cols, shape):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+# Inputs past whole vectors of 16 and steps of 32 among them, and stacked matrices.
+@pytest.mark.parametrize("shape", [(1, 7), (5, 64), (3, 4, 80), (17, 576), (2, 9, 33)])
+def test_w16_equals_numpy(isa, dtype, shape):
+    rng = np.random.default_rng(shape[-1])
+    w = jnp.asarray(rng.standard_normal(shape), dtype)
+    for cols in (1, 2, 3, kernels.W16_MAX_COLUMNS):
+        x = rng.standard_normal((shape[-1], cols)).astype(np.float32)
+        x[:, 0] *= 1e3  # columns on their own scales
+        with kernels.limited_to(isa):
+            y = np.asarray(jax.jit(kernels.w16_matmul)(w, x))
+        # Both operands as the product takes them (`x` rounded to `w`'s dtype), multiplied and
+        # summed in float64; the kernel sums in float32, in its own order.
+        a = np.asarray(w.astype(jnp.float32), np.float64).reshape(-1, shape[-1])
+        b = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32), np.float64)
+        bound = 4 * shape[-1] * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(b))
+        assert y.shape == (*shape[:-1], cols)
+        assert np.all(np.abs(y.reshape(-1, cols) - a @ b) <= bound), (isa, cols)
+
+
+def test_16_bit_products_of_a_few_columns_run_natively():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((24, 64)), jnp.bfloat16)
+    # bfloat16 up to 4 columns; float16, whose product XLA:CPU converts, up to the kernel's 8.
+    for cols, bf16, f16 in ((1, True, True), (4, True, True), (5, False, True), (9, False, False)):
+        x = jnp.ones((64, cols))
+        assert custom_calls(ops.matmul, w, x) == bf16
+        assert custom_calls(ops.matmul, w.astype(jnp.float16), x) == f16
+    assert custom_calls(ops.matmul, w.astype(jnp.float32), jnp.ones((64, 1))) == 0
+    # 16-bit products on the kernel give XLA's float32 sums, in another order.
+    x = jnp.asarray(rng.standard_normal((64, 2)), jnp.float32)
+    expected = w.astype(jnp.float32) @ x.astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_allclose(ops.matmul(w, x), expected, rtol=1e-5, atol=1e-5)
+
+
 def random_gguf_blocks(kind, count: int, rng) -> np.ndarray:
     """`count` blocks of `kind` with random nibbles and scales of every magnitude."""
     size = int4.GGUF_TYPES[kind]
@@ -207,6 +244,12 @@ def test_bad_input_names_the_argument():
         pass
     with pytest.raises(ValueError, match=r"`table` must be \[rows, features\]"):
         kernels.rows(np.zeros(8, np.float16), np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="`w` must be bfloat16 or float16"):
+        kernels.w16_matmul(jnp.zeros((4, 64), jnp.float32), x)
+    with pytest.raises(ValueError, match="`x` may have at most 8 columns"):
+        kernels.w16_matmul(jnp.zeros((4, 64), jnp.bfloat16), jnp.zeros((64, 9)))
+    with pytest.raises(ValueError, match="`x` must be"):
+        kernels.w16_matmul(jnp.zeros((4, 64), jnp.bfloat16), x[:32])
 
 
 def custom_calls(fn, *args) -> int:

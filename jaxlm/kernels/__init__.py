@@ -1,9 +1,9 @@
 """Native CPU kernels run inside jitted steps as XLA FFI custom calls: products with quantized
-weights, and rows gathered from a 16-bit table.
+and 16-bit weights, and rows gathered from a 16-bit table.
 
 The library (`csrc/`, C++17) is compiled by `pip install` and called through `jax.ffi`: XLA
 runs it as a custom call on its own threads, with no Python and no GIL, and the weights are
-read where they lie, packed. Two products, each with a path per instruction set chosen when
+read where they lie, packed. Three products, each with a path per instruction set chosen when
 it runs (AVX512-VNNI, AVX2, portable C++):
 
 - `w8_matmul`: int8 weights `[..., out, in]` with one float32 scale per row, as
@@ -12,6 +12,8 @@ it runs (AVX512-VNNI, AVX2, portable C++):
   them for XLA's integer dot.
 - `w4_matmul`: 4-bit weights in blocks of 32 with a float16 scale and minimum each
   (`jaxlm.kernels.int4`); the activations are rounded to int8 per block of 32.
+- `w16_matmul`: bfloat16 or float16 weights and a few columns, widened to float32 in
+  registers; XLA:CPU streams such a product at a third of the machine's bandwidth.
 
 Beside them, `rows` copies a table's rows where it lies, for any dtype: XLA:CPU gathers 16-bit
 float rows from a float32 copy of the whole table.
@@ -40,10 +42,13 @@ ISAS = ("portable", "avx2", "avx512_vnni")
 SWITCH = "JAXLM_NATIVE_KERNELS"
 # The int32 sums of `w8_matmul` hold up to this many inputs: 255 * 127 * in < 2**31.
 W8_MAX_IN = 65536
+# The most columns `w16_matmul` takes: one accumulator each in registers.
+W16_MAX_COLUMNS = 8
 
 _TARGETS = {
     "jaxlm_w8_matmul": "JaxlmW8Matmul",
     "jaxlm_w4_matmul": "JaxlmW4Matmul",
+    "jaxlm_w16_matmul": "JaxlmW16Matmul",
     "jaxlm_rows": "JaxlmRows",
 }
 
@@ -189,6 +194,26 @@ def w4_matmul(packed: jax.Array, scales: jax.Array, x: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((*packed.shape[:-1], flat.shape[1]), jnp.float32)
     y = jax.ffi.ffi_call("jaxlm_w4_matmul", out)(packed, scales, flat)
     return y.reshape(*packed.shape[:-1], *x.shape[1:])
+
+
+def w16_matmul(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`w @ x` for bfloat16 or float16 `w` `[..., out, in]` and feature-major `x` `[in, ...]` of
+    at most `W16_MAX_COLUMNS` columns: `[..., out, ...]` in float32. `x` is rounded to `w`'s
+    dtype first, as `jaxlm.ops.matmul` gives it to XLA's product, and the products are summed in
+    float32.
+
+    Example:
+        >>> y = jaxlm.kernels.w16_matmul(w, x)
+    """
+    _registered()
+    if w.dtype not in (jnp.bfloat16, jnp.float16) or w.ndim < 2:
+        raise ValueError(f"`w` must be bfloat16 or float16 [..., out, in], got {w.dtype} {w.shape}")
+    flat = _columns(x.astype(w.dtype), w.shape[-1], "in")
+    if flat.shape[1] > W16_MAX_COLUMNS:
+        raise ValueError(f"`x` may have at most {W16_MAX_COLUMNS} columns, got {flat.shape[1]}")
+    out = jax.ShapeDtypeStruct((*w.shape[:-1], flat.shape[1]), jnp.float32)
+    y = jax.ffi.ffi_call("jaxlm_w16_matmul", out)(w, flat)
+    return y.reshape(*w.shape[:-1], *x.shape[1:])
 
 
 def rows(table: jax.Array, ids: jax.Array) -> jax.Array:

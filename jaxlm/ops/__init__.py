@@ -55,6 +55,10 @@ def _multithreaded_cpu() -> bool:
 
 # XLA:CPU runs a bfloat16 product natively (YNNPACK) from this many columns of `x` on.
 _NATIVE_BF16_COLUMNS = 2
+# The most columns of a 16-bit product the native kernel runs: XLA:CPU's bfloat16 product ran
+# as fast from 8 columns on, its float16 product (from a float32 copy) slower at every count
+# (see `docs/performance.md`, "16-bit products").
+_NATIVE_W16_COLUMNS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.float16): kernels.W16_MAX_COLUMNS}
 # A one-column product on CPU runs as a batched dot of this many parts of its matrix.
 _GEMV_PARTS = 8
 
@@ -65,15 +69,22 @@ def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
     as one product.
 
     Variants:
-    - CPU, bfloat16 weights, one column: padded to two columns. With one, XLA:CPU computes in
-      float32 from a converted copy of the weight, which it hoists out of the decode loop: a
-      float32 copy of every weight (see `docs/performance.md`, "bfloat16 at batch 1").
+    - CPU, one device, bfloat16 weights up to 4 columns, float16 ones up to 8: the native
+      kernel (`jaxlm.kernels.w16_matmul`), which reads the weights at the machine's bandwidth
+      where XLA:CPU's bfloat16 product read a third of it, and its float16 one converts a
+      float32 copy (see `docs/performance.md`, "16-bit products").
+    - CPU, bfloat16 weights, one column, without the kernel: padded to two columns. With one,
+      XLA:CPU computes in float32 from a converted copy of the weight, which it hoists out of
+      the decode loop: a float32 copy of every weight (see `docs/performance.md`, "bfloat16 at
+      batch 1").
     - CPU with several threads, one column, rows divisible by 8: a batched dot of 8 parts of
       the matrix, which the threads share; XLA:CPU gives a small matrix-vector product to one
       thread (see `docs/performance.md`, "Matrix-vector products in parts").
     - Otherwise one `dot_general`.
     """
     cols = math.prod(x.shape[1:])
+    if cols <= _NATIVE_W16_COLUMNS.get(jnp.dtype(w.dtype), 0) and kernels.runs_here():
+        return kernels.w16_matmul(w, x)
     if platform() == "cpu" and w.dtype == jnp.bfloat16 and cols < _NATIVE_BF16_COLUMNS:
         return _padded_to_native_columns(w, x, cols)
     if cols == 1 and _multithreaded_cpu() and (w.size // w.shape[-1]) % _GEMV_PARTS == 0:
