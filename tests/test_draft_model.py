@@ -21,8 +21,6 @@ LOOPS = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4 + [9, 10]]
 # The first token, then five chunks of a token and its drafts. The tests share this length and
 # the default drafts, so that they share the steps compiled for them.
 NEW_TOKENS = 1 + 5 * (DRAFT + 1)
-# A plan's decode step alone, for the tests of its bill and its refusals.
-DECODE = ("decode_draft",)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +31,20 @@ def models(tiny_llama, tmp_path_factory):
     return jaxlm.load(tiny_llama[0])[0], jaxlm.load(path)[0]
 
 
+@pytest.fixture(scope="module")
+def planned(models):
+    """A plan of the model with the draft model; prompts of `LOOPS`' bucket run its own
+    executables."""
+    model, draft = models
+    return jaxlm.plan(model, max_batch=2, max_seq_len=64, prefill_chunk=32, speculative=draft)
+
+
 def _tokens(outputs):
     return [o.token_ids for o in outputs]
+
+
+def _bytes(model) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(nnx.state(model)))
 
 
 def test_a_draft_that_is_the_model_keeps_every_draft(models):
@@ -46,6 +56,9 @@ def test_a_draft_that_is_the_model_keeps_every_draft(models):
     assert all(len(o.token_ids) == NEW_TOKENS for o in drafted)
     assert [o.drafted_tokens for o in drafted] == [o.accepted_tokens for o in drafted]
     assert [o.accepted_tokens for o in drafted] == [5 * DRAFT] * 2
+    # A draft that is the model itself shares its weights: the plan counts them once.
+    (plan,) = [p for p in jaxlm.plans_of(model) if p.generator.drafting]
+    assert plan.weights_bytes == _bytes(model)
 
 
 def test_another_draft_model_gives_the_same_tokens(models):
@@ -102,19 +115,14 @@ def test_stream_with_a_draft_model_yields_the_text_of_generate(tiny_chat, tmp_pa
     assert len(jaxlm.plans_of(model)) == 0 and not drafted.pooled
 
 
-def test_the_plan_bills_the_draft_model_and_runs_in_place(models):
+def test_the_plan_bills_the_draft_model_and_runs_in_place(models, planned):
     model, draft = models
-    # Prompts of `LOOPS`' bucket run the plan's own executables.
-    plan = jaxlm.plan(model, max_batch=2, max_seq_len=64, prefill_chunk=32, speculative=draft)
-    nbytes = lambda m: sum(np.asarray(x).nbytes for x in jax.tree.leaves(nnx.state(m)))
-    assert plan.weights_bytes == nbytes(model) + nbytes(draft)
+    plan = planned
+    assert plan.weights_bytes == _bytes(model) + _bytes(draft)
     # Each model's keys and values, float32, for every slot of both rows.
     pages = lambda c: c.num_hidden_layers * 2 * 2 * 64 * c.num_key_value_heads * c.head_dim * 4
     assert plan.kv_cache_bytes == pages(model.config) + pages(draft.config)
     assert sorted(plan.compiled) == ["decode_draft", "generate_draft"]
-    # A draft that is the model itself shares its weights: they count once.
-    shared = jaxlm.plan(model, max_batch=2, max_seq_len=64, speculative=model, steps=DECODE)
-    assert shared.weights_bytes == nbytes(model)
     for executable in plan.executables.values():
         assert executable.alias == plan.scratch_bytes
     kwargs = dict(plan=plan, speculative=draft, stop_token_ids=[])
@@ -131,7 +139,7 @@ def test_the_plan_bills_the_draft_model_and_runs_in_place(models):
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(held)] == pointers
 
 
-def test_bad_draft_models_are_refused(models, tiny_chat):
+def test_bad_draft_models_are_refused(models, planned, tiny_chat):
     model, draft = models
     other, _ = jaxlm.load(tiny_chat)
     vocabulary = f"needs the model's vocabulary of {model.config.vocab_size} tokens"
@@ -148,10 +156,9 @@ def test_bad_draft_models_are_refused(models, tiny_chat):
         jaxlm.generate(
             model, None, [1, 2], max_new_tokens=2, speculative=draft, response_format=schema
         )
-    plan = jaxlm.plan(model, max_batch=1, max_seq_len=32, speculative=draft, steps=DECODE)
     with pytest.raises(PlanError, match="made for another model, or another draft model"):
-        jaxlm.generate(model, None, [1, 2], max_new_tokens=2, plan=plan)
+        jaxlm.generate(model, None, [1, 2], max_new_tokens=2, plan=planned)
     with pytest.raises(PlanError, match="`prefill` and `decode` run a plan without a draft"):
-        plan.prefill(plan.allocate(), [[1, 2]])
+        planned.prefill(planned.allocate(), [[1, 2]])
     with pytest.raises(ValueError, match="`steps` must name some of"):
         jaxlm.plan(model, max_batch=1, max_seq_len=32, speculative=draft, steps=("generate",))
