@@ -417,7 +417,7 @@ def test_bfloat16_caches_are_not_copied_when_attention_reads_part_of_them(tmp_pa
 )
 def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, temporaries, limit):
     # Bills that grow with the pages, as XLA's temporaries may, against a search of every size.
-    from jaxlm.planner import SEQ_STEP, _fit
+    from jaxlm.budget import SEQ_STEP, fit
 
     extra = list(itertools.accumulate(temporaries))  # non-decreasing
     pages = len(extra)
@@ -431,7 +431,7 @@ def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, tempo
         return types.SimpleNamespace(seq=seq, total_bytes=floor(seq) + extra[seq // SEQ_STEP - 1])
 
     fitting = [n for n in range(1, pages + 1) if make(n * SEQ_STEP).total_bytes <= limit]
-    best = _fit(make, floor, limit, config)
+    best = fit(make, floor, limit, config)
     assert (best and best.seq) == (max(fitting) * SEQ_STEP if fitting else None)
 
 
@@ -445,7 +445,7 @@ def test_fitting_a_budget_finds_the_most_pages_that_fit(weights, per_page, tempo
 def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base, known):
     # Any bill that never shrinks as the pages grow: weights and scratch of 10 a page, and
     # temporaries growing by steps drawn at random (flat, linear or neither).
-    from jaxlm.planner import SEQ_STEP, _fit
+    from jaxlm.budget import SEQ_STEP, fit
 
     temporaries = list(itertools.accumulate(growth, initial=base))
     floor = lambda seq: 10 * (seq // SEQ_STEP)
@@ -456,7 +456,7 @@ def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base,
         return types.SimpleNamespace(total_bytes=floor(seq) + temporaries[seq // SEQ_STEP], seq=seq)
 
     config = types.SimpleNamespace(max_position_embeddings=64 * SEQ_STEP)
-    fitted = _fit(make, floor, limit, config)
+    fitted = fit(make, floor, limit, config)
     fits = [p for p in range(1, 65) if floor(p * SEQ_STEP) + temporaries[p] <= limit]
     assert (fitted and fitted.seq) == (max(fits) * SEQ_STEP if fits else None)
     # Three guesses, then a bisection of what is left.
@@ -465,6 +465,6 @@ def test_budget_search_finds_what_trying_every_length_finds(growth, limit, base,
     # plan, with no more compilations.
     bills = [(p, floor(p * SEQ_STEP) + temporaries[p]) for p in known]
     compiled.clear()
-    again = _fit(make, floor, limit, config, bills)
+    again = fit(make, floor, limit, config, bills)
     assert (again and again.seq) == (fitted and fitted.seq)
     assert len(compiled) <= 1 + 3 + 6
