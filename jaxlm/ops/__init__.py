@@ -55,9 +55,9 @@ def _multithreaded_cpu() -> bool:
 
 # XLA:CPU runs a bfloat16 product natively (YNNPACK) from this many columns of `x` on.
 _NATIVE_BF16_COLUMNS = 2
-# The most columns of a 16-bit product the native kernel runs: XLA:CPU's bfloat16 product ran
-# as fast from 8 columns on, its float16 product (from a float32 copy) slower at every count
-# (see `docs/performance.md`, "16-bit products").
+# The most columns of a 16-bit product the native kernel runs: it led XLA:CPU's bfloat16
+# product at 1 to 4 columns and not at 8, and its float16 product (from a float32 copy) at
+# every count (see `docs/performance.md`, "16-bit products").
 _NATIVE_W16_COLUMNS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.float16): kernels.W16_MAX_COLUMNS}
 # A one-column product on CPU runs as a batched dot of this many parts of its matrix.
 _GEMV_PARTS = 8
