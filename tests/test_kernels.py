@@ -160,11 +160,14 @@ def test_w16_equals_numpy(isa, dtype, shape):
 def test_16_bit_products_of_a_few_columns_run_natively():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((24, 64)), jnp.bfloat16)
-    # bfloat16 up to 4 columns; float16, whose product XLA:CPU converts, up to the kernel's 8.
-    for cols, bf16, f16 in ((1, True, True), (4, True, True), (5, False, True), (9, False, False)):
-        x = jnp.ones((64, cols))
-        assert custom_calls(ops.matmul, w, x) == bf16
-        assert custom_calls(ops.matmul, w.astype(jnp.float16), x) == f16
+    # Up to the kernel's 8 columns; bfloat16 without AVX512-BF16 up to 4.
+    for isa in ISAS[1:]:
+        widened = isa != "avx512_bf16"
+        with kernels.limited_to(isa):
+            for cols in (1, 4, 5, 8, 9):
+                x = jnp.ones((64, cols))
+                assert custom_calls(ops.matmul, w, x) == (cols <= (4 if widened else 8))
+                assert custom_calls(ops.matmul, w.astype(jnp.float16), x) == (cols <= 8)
     assert custom_calls(ops.matmul, w.astype(jnp.float32), jnp.ones((64, 1))) == 0
     # 16-bit products on the kernel give XLA's float32 sums, in another order.
     x = jnp.asarray(rng.standard_normal((64, 2)), jnp.float32)
@@ -267,7 +270,7 @@ def test_switched_off_products_run_through_xla(monkeypatch):
     # A prompt chunk's many columns: native on the AVX512-VNNI path, which ran them faster
     # than XLA's integer dot; XLA's on the others.
     chunk = jnp.ones((64, 9))
-    assert custom_calls(ops.quantized_matmul, q, scale, chunk) == (ISAS[-1] == "avx512_vnni")
+    assert custom_calls(ops.quantized_matmul, q, scale, chunk) == (ISAS[-1] in kernels.ISAS[2:])
     with kernels.limited_to("avx2"):
         assert custom_calls(ops.quantized_matmul, q, scale, chunk) == 0
     assert custom_calls(ops.quantized_matmul, packed, scales, jnp.ones((64, 9))) == 1

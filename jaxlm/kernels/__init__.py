@@ -13,7 +13,8 @@ it runs (AVX512-VNNI, AVX2, portable C++):
 - `w4_matmul`: 4-bit weights in blocks of 32 with a float16 scale and minimum each
   (`jaxlm.kernels.int4`); the activations are rounded to int8 per block of 32.
 - `w16_matmul`: bfloat16 or float16 weights and a few columns, widened to float32 in
-  registers; XLA:CPU streams such a product at a third of the machine's bandwidth.
+  registers (bfloat16 multiplied as it is where the CPU has AVX512-BF16, the `avx512_bf16`
+  path); XLA:CPU streams such a product at a third of the machine's bandwidth.
 
 Beside them, `rows` copies a table's rows where it lies, for any dtype: XLA:CPU gathers 16-bit
 float rows from a float32 copy of the whole table.
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 # The paths of each kernel, from the most portable (the library's `jaxlm::Isa`).
-ISAS = ("portable", "avx2", "avx512_vnni")
+ISAS = ("portable", "avx2", "avx512_vnni", "avx512_bf16")
 # The environment variable that switches the library off (`0`).
 SWITCH = "JAXLM_NATIVE_KERNELS"
 # The int32 sums of `w8_matmul` hold up to this many inputs: 255 * 127 * in < 2**31.

@@ -55,10 +55,11 @@ def _multithreaded_cpu() -> bool:
 
 # XLA:CPU runs a bfloat16 product natively (YNNPACK) from this many columns of `x` on.
 _NATIVE_BF16_COLUMNS = 2
-# The most columns of a 16-bit product the native kernel runs: it led XLA:CPU's bfloat16
-# product at 1 to 4 columns and not at 8, and its float16 product (from a float32 copy) at
-# every count (see `docs/performance.md`, "16-bit products").
-_NATIVE_W16_COLUMNS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.float16): kernels.W16_MAX_COLUMNS}
+# The most columns of a bfloat16 product the native kernel runs without AVX512-BF16: it led
+# XLA:CPU's product at 1 to 4 columns and not at 8; with AVX512-BF16, and for float16 (whose
+# XLA product converts a float32 copy), at every count up to its own limit (see
+# `docs/performance.md`, "16-bit products").
+_NATIVE_BF16_WIDENED_COLUMNS = 4
 # A one-column product on CPU runs as a batched dot of this many parts of its matrix.
 _GEMV_PARTS = 8
 
@@ -69,10 +70,10 @@ def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
     as one product.
 
     Variants:
-    - CPU, one device, bfloat16 weights up to 4 columns, float16 ones up to 8: the native
-      kernel (`jaxlm.kernels.w16_matmul`), which reads the weights at the machine's bandwidth
-      where XLA:CPU's bfloat16 product read a third of it, and its float16 one converts a
-      float32 copy (see `docs/performance.md`, "16-bit products").
+    - CPU, one device, 16-bit weights up to 8 columns (bfloat16 up to 4 without AVX512-BF16):
+      the native kernel (`jaxlm.kernels.w16_matmul`), which reads the weights at the machine's
+      bandwidth where XLA:CPU's bfloat16 product read a third of it, and its float16 one
+      converts a float32 copy (see `docs/performance.md`, "16-bit products").
     - CPU, bfloat16 weights, one column, without the kernel: padded to two columns. With one,
       XLA:CPU computes in float32 from a converted copy of the weight, which it hoists out of
       the decode loop: a float32 copy of every weight (see `docs/performance.md`, "bfloat16 at
@@ -83,8 +84,12 @@ def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
     - Otherwise one `dot_general`.
     """
     cols = math.prod(x.shape[1:])
-    if cols <= _NATIVE_W16_COLUMNS.get(jnp.dtype(w.dtype), 0) and kernels.runs_here():
-        return kernels.w16_matmul(w, x)
+    if w.dtype in (jnp.bfloat16, jnp.float16) and kernels.runs_here():
+        most = kernels.W16_MAX_COLUMNS
+        if w.dtype == jnp.bfloat16 and kernels.isa() != "avx512_bf16":
+            most = _NATIVE_BF16_WIDENED_COLUMNS
+        if cols <= most:
+            return kernels.w16_matmul(w, x)
     if platform() == "cpu" and w.dtype == jnp.bfloat16 and cols < _NATIVE_BF16_COLUMNS:
         return _padded_to_native_columns(w, x, cols)
     if cols == 1 and _multithreaded_cpu() and (w.size // w.shape[-1]) % _GEMV_PARTS == 0:
@@ -335,7 +340,7 @@ def quantized_matmul(q: jax.Array, scale: jax.Array, x: jax.Array) -> jax.Array:
         return int4.matmul(q, scale, x.reshape(x.shape[0], -1)).reshape(*q.shape[:-1], *x.shape[1:])
     k = q.shape[-1]
     cols = math.prod(x.shape[1:])
-    vnni = kernels.isa() == "avx512_vnni"
+    vnni = kernels.isa() in kernels.ISAS[2:]
     if native and k <= kernels.W8_MAX_IN and (cols <= _NATIVE_W8_COLUMNS or vnni):
         signs, h = _rotation(k)
         return kernels.w8_matmul(q, scale, x, signs, h.shape[0])

@@ -16,7 +16,8 @@ namespace jaxlm {
 namespace ffi = xla::ffi;
 
 // The paths a kernel has, from the most portable; each CPU runs those up to its best.
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+// AVX512-BF16 adds to AVX512-VNNI (every CPU with it has both); only the 16-bit product uses it.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2, kAvx512Bf16 = 3 };
 
 // The path the kernels take: the CPU's best, or a lower one that `JaxlmKernelsLimitIsa` chose
 // (tests force each path a machine can run).

@@ -11,7 +11,7 @@ Isa BestIsa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c")) {
-    return kAvx512Vnni;
+    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512Vnni;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
@@ -22,7 +22,7 @@ Isa BestIsa() {
 }
 
 std::atomic<int>& Limit() {
-  static std::atomic<int> limit{kAvx512Vnni};
+  static std::atomic<int> limit{kAvx512Bf16};
   return limit;
 }
 

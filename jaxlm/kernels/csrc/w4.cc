@@ -340,7 +340,7 @@ void Row(Isa isa, const uint8_t* w, const uint16_t* dm, int64_t blocks, const Ac
   int64_t done = 0;
 #ifdef JAXLM_X86
   if (isa != kPortable) {
-    const bool vnni = isa == kAvx512Vnni;
+    const bool vnni = isa >= kAvx512Vnni;
     switch (n) {
       case 4:
         RowVector<4>(vnni, w, dm, blocks, x, c0, out);
@@ -381,7 +381,7 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
   const uint16_t* dm = scales.typed_data();
   float* out = y->typed_data();
 #ifdef JAXLM_X86
-  if (isa == kAvx512Vnni && cols >= kPanelColumns) {
+  if (isa >= kAvx512Vnni && cols >= kPanelColumns) {
     ParallelRows(pool, rows, RowGrain(pool, rows, 2 * kPanel), [&](int64_t r0, int64_t r1) {
       RowsPanels(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, a, cols, r1 - r0,
                  out + r0 * cols);

@@ -134,7 +134,7 @@ Digits Round(ffi::ThreadPool& pool, Isa isa, const float* x, int64_t in, int64_t
            std::vector<float>(cols), RoundUp(in, 64), static_cast<int>(2 * cols)};
   auto column = RoundColumnPortable;
 #ifdef JAXLM_X86
-  if (isa == kAvx512Vnni) column = RoundColumnAvx512;
+  if (isa >= kAvx512Vnni) column = RoundColumnAvx512;
   if (isa == kAvx2) column = RoundColumnAvx2;
 #endif
   ParallelRows(pool, cols, RowGrain(pool, cols, 1), [&](int64_t c0, int64_t c1) {
@@ -316,7 +316,7 @@ void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_
 void Sums(Isa isa, const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
           int32_t* sums) {
 #ifdef JAXLM_X86
-  if (isa == kAvx512Vnni) return SumsVector<VnniPath>(w, in, x, r0, r1, sums);
+  if (isa >= kAvx512Vnni) return SumsVector<VnniPath>(w, in, x, r0, r1, sums);
   if (isa == kAvx2) return SumsVector<Avx2Path>(w, in, x, r0, r1, sums);
 #endif
   SumsPortable(w, in, x, r0, r1, sums);
