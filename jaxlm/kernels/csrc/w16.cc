@@ -1,8 +1,8 @@
 // `w @ x` for 16-bit float weights (bfloat16 or float16) and float32 activations of a few
 // columns: XLA:CPU streams a bfloat16 product of one or two columns at about a third of the
 // machine's read bandwidth (`docs/performance.md`, "16-bit products"). Each weight is widened to
-// float32 in registers and multiplied and summed in float32, as XLA computes the product: only
-// the order of the sums differs.
+// float32 in registers (on AVX512-BF16, bfloat16 pairs multiply as stored, exactly) and summed in
+// float32, as XLA computes the product: only the order of the sums differs.
 #include <cstdint>
 #include <cstring>
 #include <vector>
