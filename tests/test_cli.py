@@ -62,7 +62,8 @@ def test_chat_session(env):
 
 
 def test_plan_prints_the_bill_without_loading_weights(env):
-    out = run(env, "plan", "--max-batch", "2", "--max-seq-len", "512")
+    # One step compiled: the bill's layout is the test's, each step's bill `tests/test_plan.py`'s.
+    out = run(env, "plan", "--max-batch", "2", "--max-seq-len", "512", "--steps", "decode")
     assert out.returncode == 0, out.stderr
     assert "model.layers.29.self_attn" in out.stdout
     # Each row's 512 slots in two pages of 256: [4 pages, 3 KV heads, head_dim 64, 256 slots].
