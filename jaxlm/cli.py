@@ -197,7 +197,9 @@ def _speculative(args) -> dict:
         import jaxlm
 
         path = args.model if args.draft_model == "same" else args.draft_model
-        speculative, _ = jaxlm.load(path, dtype=args.dtype, quantize=args.draft_quantize)
+        speculative, _ = jaxlm.load(
+            path, dtype=args.dtype, quantize=args.draft_quantize, mesh=args.mesh
+        )
     return dict(speculative=speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 

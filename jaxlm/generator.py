@@ -54,7 +54,9 @@ class Generator:
         mesh = mesh_of(self.params)
         # Each row owns its pages, so the pages split over `data` with the rows.
         self.partitioner = (
-            Partitioner(mesh, self.config, pages="data") if mesh is not None else None
+            Partitioner(mesh, self.config, pages="data", draft=getattr(draft, "config", None))
+            if mesh is not None
+            else None
         )
         graphdef = self.graphdef
         pin = self._pin_scratch()

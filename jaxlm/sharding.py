@@ -72,10 +72,17 @@ def make_mesh(mesh: Mesh | Sequence[int]) -> Mesh:
 class Partitioner:
     """Maps the logical axes of a model's arrays onto a mesh, checking that they divide."""
 
-    def __init__(self, mesh: Mesh, config: ModelConfig, pages: str | None = None):
+    def __init__(
+        self,
+        mesh: Mesh,
+        config: ModelConfig,
+        pages: str | None = None,
+        draft: ModelConfig | None = None,
+    ):
         """`pages` is the mesh axis the KV cache's pages split over: `"data"` where each batch
         row owns its pages (`generate`'s plans), None where any sequence may take any page (the
-        serving engine's pool)."""
+        serving engine's pool). With a `draft` model's config, whose pages lie in the same
+        scratch, the KV heads split only where both models' divide."""
         self.mesh = mesh
         self.data = mesh.shape.get("data", 1)
         self.model = mesh.shape.get("model", 1)
@@ -89,11 +96,12 @@ class Partitioner:
                     f"the mesh axis `model` has {m} devices, which does not divide "
                     f"`{name}={size}`; use a `model` axis that divides it"
                 )
+        kv_heads = [c.num_key_value_heads, *([draft.num_key_value_heads] if draft else [])]
         rules = {
             "batch": "data",
             "heads": "model",
             "mlp": "model",
-            "kv_heads": "model" if c.num_key_value_heads % m == 0 else None,
+            "kv_heads": "model" if all(k % m == 0 for k in kv_heads) else None,
             "vocab": "model" if c.vocab_size % m == 0 else None,
             # Expert parallelism: each device holds whole experts.
             "experts": "model" if c.num_experts and c.num_experts % m == 0 else None,

@@ -70,8 +70,8 @@ def check_weights(model) -> None:
 
 
 def check_draft(model, draft) -> None:
-    """Refuse a draft model that cannot draft for `model`: one of another vocabulary, or either
-    split over a mesh (the draft's pages would need the model's rules for its own heads)."""
+    """Refuse a draft model that cannot draft for `model`: one of another vocabulary, or one
+    not on the model's mesh (or device): both run in one step, their pages in one scratch."""
     vocab = getattr(getattr(draft, "config", None), "vocab_size", None)
     if vocab != model.config.vocab_size:
         raise ValueError(
@@ -79,11 +79,19 @@ def check_draft(model, draft) -> None:
             f"{model.config.vocab_size} tokens (the same tokenizer), got "
             f"{'no jaxlm model' if vocab is None else f'one of {vocab}'}"
         )
-    if mesh_of(nnx.state(model)) is not None or mesh_of(nnx.state(draft)) is not None:
+    mesh, draft_mesh = mesh_of(nnx.state(model)), mesh_of(nnx.state(draft))
+    if mesh != draft_mesh:
         raise ValueError(
-            "`speculative`: a draft model drafts on one device, for a model on one device; "
-            'drafts on a mesh are prompt lookups (`speculative="ngram"`)'
+            f"`speculative`: a draft model must lie where the model does, on {_where(mesh)}; "
+            f"it lies on {_where(draft_mesh)} (`jaxlm.shard(draft, mesh)` moves it to the "
+            "model's mesh)"
         )
+
+
+def _where(mesh) -> str:
+    if mesh is None:
+        return "one device"
+    return f"a mesh of {dict(mesh.shape)} over devices {[d.id for d in mesh.devices.flat]}"
 
 
 def propose(tokens, start, index, draft: int):

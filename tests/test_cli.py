@@ -199,14 +199,14 @@ def test_the_sampling_options_reach_stream(monkeypatch, capsys):
 
 def test_a_draft_model_reaches_stream(monkeypatch, capsys):
     # The same stand-ins: the draft model loads once, from `--model`'s file with its own
-    # `--draft-quantize`, and `stream` drafts with it.
+    # `--draft-quantize`, onto the model's `--mesh`, and `stream` drafts with it.
     import jaxlm
     from jaxlm import cli
 
     loads, got = [], {}
 
     def load(path, **kwargs):
-        loads.append((path, kwargs["quantize"]))
+        loads.append((path, kwargs["quantize"], kwargs["mesh"]))
         return object(), None
 
     def stream(model, tokenizer, prompt, params, **kwargs):
@@ -217,10 +217,10 @@ def test_a_draft_model_reaches_stream(monkeypatch, capsys):
     monkeypatch.setattr(jaxlm, "stream", stream)
     monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    argv = ["generate", "Hi", "--model", "m.gguf", "--draft-model", "same"]
+    argv = ["generate", "Hi", "--model", "m.gguf", "--draft-model", "same", "--mesh", "1,2"]
     assert cli.main([*argv, "--draft-quantize", "int8", "--num-speculative-tokens", "4"]) == 0
     assert capsys.readouterr().out == "text\n"
-    assert loads == [("m.gguf", None), ("m.gguf", "int8")]
+    assert loads == [("m.gguf", None, (1, 2)), ("m.gguf", "int8", (1, 2))]
     assert got["speculative"] is not got["model"] and got["num_speculative_tokens"] == 4
 
 

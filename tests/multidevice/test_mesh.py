@@ -203,11 +203,32 @@ def test_batch_must_divide_over_data(saved):
         jaxlm.plan(model, max_batch=2, max_seq_len=32)
 
 
-def test_a_draft_model_is_refused_on_a_mesh(saved):
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=str)
+def test_a_draft_model_on_the_mesh_gives_the_single_device_tokens(saved, single, mesh):
+    # Qwen2 drafts for the GQA Llama; on `(1, 4)` neither model's 2 KV heads split 4 ways, so
+    # both models' pages are replicated over `model`.
+    model, _ = jaxlm.load(saved["llama_gqa4"], mesh=mesh)
+    draft, _ = jaxlm.load(saved["qwen2"], mesh=mesh)
+    _, _, tokens = single["llama_gqa4"]
+    kwargs = dict(max_new_tokens=12, stop_token_ids=[])
+    for drafter in (draft, model):
+        out = jaxlm.generate(model, None, PROMPTS, speculative=drafter, **kwargs)
+        assert [o.token_ids for o in out] == tokens
+    # The model drafting for itself drafts and keeps as many as on one device (every draft but
+    # one past the 12th token).
+    one, _ = jaxlm.load(saved["llama_gqa4"])
+    alone = jaxlm.generate(one, None, PROMPTS, speculative=one, **kwargs)
+    counts = [(o.drafted_tokens, o.accepted_tokens) for o in out]
+    assert counts == [(o.drafted_tokens, o.accepted_tokens) for o in alone]
+    assert all(kept > 0 for _, kept in counts)
+
+
+def test_a_draft_model_elsewhere_than_the_model_is_refused(saved):
     model, _ = jaxlm.load(saved["llama_gqa4"], mesh=(1, 4))
     draft, _ = jaxlm.load(saved["qwen2"])
-    for target, drafter in ((model, draft), (draft, model)):
-        with pytest.raises(ValueError, match="a draft model drafts on one device"):
+    other = jaxlm.shard(draft, (2, 2))
+    for target, drafter in ((model, draft), (draft, model), (model, other)):
+        with pytest.raises(ValueError, match="a draft model must lie where the model does"):
             jaxlm.generate(target, None, [1, 2], max_new_tokens=2, speculative=drafter)
 
 
