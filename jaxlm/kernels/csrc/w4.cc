@@ -100,21 +100,20 @@ __attribute__((target("avx2"))) inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
 }
 
-// AVX2: two blocks (32 bytes of nibbles) at a time, pairs [first, last) of the row; `maddubs`
+// AVX2: two blocks (32 bytes of nibbles) at a time, the row's first `pairs` pairs; `maddubs`
 // multiplies the unsigned nibbles by the signed activations, and pairs of its products stay
 // within int16 (2 * 15 * 127). Adds to `out`.
 template <int ND>
 __attribute__((target("avx2,fma,f16c"))) void RowAvx2(const uint8_t* w, const uint16_t* dm,
-                                                      int64_t first, int64_t last,
-                                                      const Activations& x, int64_t c0,
-                                                      float* out) {
+                                                      int64_t pairs, const Activations& x,
+                                                      int64_t c0, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i d_lanes = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
   const __m256i m_lanes = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
   __m256 acc[ND];
   for (int j = 0; j < ND; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t pair = first; pair < last; ++pair) {
+  for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t s = pair / 2, p = pair % 2;
     const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + pair * 32));
     const __m256i lo = _mm256_and_si256(wv, low);
@@ -140,36 +139,68 @@ __attribute__((target("avx2,fma,f16c"))) void RowAvx2(const uint8_t* w, const ui
   for (int j = 0; j < ND; ++j) out[j] += Sum8(acc[j]);
 }
 
-// AVX512-VNNI: four blocks (64 bytes of nibbles) at a time, the row's first `full` super-blocks,
-// `dpbusd` multiplying the unsigned nibbles by the signed activations. Adds to `out`.
+// AVX512-VNNI: rows [0, rows) against columns [c0, c0 + ND), four blocks (64 bytes of nibbles)
+// at a time, `dpbusd` multiplying the unsigned nibbles by the signed activations, into `out`
+// [rows][cols]. A row's last super-block is read under a mask where its blocks do not fill it
+// (the activations past them are zeros), so a row is one loop and one sum across the vector.
 template <int ND>
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void RowVnni(
-    const uint8_t* w, const uint16_t* dm, int64_t full, const Activations& x, int64_t c0,
-    float* out) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void RowsVnni(
+    const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows, const Activations& x,
+    int64_t c0, int64_t cols, float* out) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const __m512i m_lanes = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-  __m512 acc[ND];
-  for (int j = 0; j < ND; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < full; ++s) {
-    const __m512i wv = _mm512_loadu_si512(w + s * 64);
-    const __m512i lo = _mm512_and_si512(wv, low);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-    const __m256 quad = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + s * 8)));
-    const __m512 wide = _mm512_castps256_ps512(quad);
-    const __m512 d = _mm512_permutexvar_ps(d_lanes, wide);
-    const __m512 m = _mm512_permutexvar_ps(m_lanes, wide);
-    for (int j = 0; j < ND; ++j) {
-      const int64_t super = (c0 + j) * x.supers + s;
-      const int8_t* values = x.values.data() + super * 128;
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(values));
-      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(values + 64));
-      const __m512 scale = _mm512_loadu_ps(x.scale.data() + super * 16);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), acc[j]);
-      acc[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.offset.data() + super * 16), acc[j]);
+  const int64_t supers = x.supers, tail = blocks - kSuper * (supers - 1);
+  const __mmask64 tail_bytes = tail == kSuper ? ~__mmask64{0} : (__mmask64{1} << (16 * tail)) - 1;
+  const auto tail_halves = static_cast<__mmask8>((1u << (2 * tail)) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + r * blocks * 16;
+    const uint16_t* row_dm = dm + r * blocks * 2;
+    __m512 acc[ND];
+    for (int j = 0; j < ND; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; ++s) {
+      const bool last = s + 1 == supers;
+      const __mmask64 bytes = last ? tail_bytes : ~__mmask64{0};
+      const __mmask8 halves = last ? tail_halves : __mmask8{0xff};
+      const __m512i wv = _mm512_maskz_loadu_epi8(bytes, row + s * 64);
+      const __m512i lo = _mm512_and_si512(wv, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+      const __m256 quad = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, row_dm + s * 8));
+      const __m512 wide = _mm512_castps256_ps512(quad);
+      const __m512 d = _mm512_permutexvar_ps(d_lanes, wide);
+      const __m512 m = _mm512_permutexvar_ps(m_lanes, wide);
+      for (int j = 0; j < ND; ++j) {
+        const int64_t at = (c0 + j) * supers + s;
+        const int8_t* values = x.values.data() + at * 128;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(values));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(values + 64));
+        const __m512 scale = _mm512_loadu_ps(x.scale.data() + at * 16);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), acc[j]);
+        acc[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.offset.data() + at * 16), acc[j]);
+      }
+    }
+    for (int j = 0; j < ND; ++j) out[r * cols + c0 + j] = _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
+// Rows [0, rows) against every column, four at a time, on the AVX512-VNNI path.
+void RowsVnniColumns(const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows,
+                     const Activations& x, int64_t cols, float* out) {
+  for (int64_t c = 0; c < cols; c += 4) {
+    switch (std::min<int64_t>(4, cols - c)) {
+      case 4:
+        RowsVnni<4>(w, dm, blocks, rows, x, c, cols, out);
+        break;
+      case 3:
+        RowsVnni<3>(w, dm, blocks, rows, x, c, cols, out);
+        break;
+      case 2:
+        RowsVnni<2>(w, dm, blocks, rows, x, c, cols, out);
+        break;
+      default:
+        RowsVnni<1>(w, dm, blocks, rows, x, c, cols, out);
     }
   }
-  for (int j = 0; j < ND; ++j) out[j] += _mm512_reduce_add_ps(acc[j]);
 }
 
 // Many columns (a prompt chunk), AVX512-VNNI: 16 rows at a time, their nibbles unpacked once
@@ -323,36 +354,26 @@ void RowsPanels(const uint8_t* w, const uint16_t* dm, int64_t blocks, const Acti
 
 #endif  // JAXLM_X86
 
-template <int ND>
-void RowVector(bool vnni, const uint8_t* w, const uint16_t* dm, int64_t blocks,
-               const Activations& x, int64_t c0, float* out) {
-  // Whole super-blocks with AVX512-VNNI, the pairs of blocks left (all on AVX2) with AVX2.
-  const int64_t full = vnni ? blocks / kSuper : 0;
-  if (vnni) RowVnni<ND>(w, dm, full, x, c0, out);
-  RowAvx2<ND>(w, dm, 2 * full, blocks / 2, x, c0, out);
-}
-
-// Row `w` (`blocks` blocks) against columns [c0, c0 + n), n <= 4, on the path `isa`: the
-// vector paths take the blocks in pairs, the portable one the rest.
+// Row `w` (`blocks` blocks) against columns [c0, c0 + n), n <= 4, on the path `isa` below
+// AVX512-VNNI: the AVX2 path takes the blocks in pairs, the portable one the rest.
 void Row(Isa isa, const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
          int64_t c0, int64_t n, float* out) {
   for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
   int64_t done = 0;
 #ifdef JAXLM_X86
   if (isa != kPortable) {
-    const bool vnni = isa >= kAvx512Vnni;
     switch (n) {
       case 4:
-        RowVector<4>(vnni, w, dm, blocks, x, c0, out);
+        RowAvx2<4>(w, dm, blocks / 2, x, c0, out);
         break;
       case 3:
-        RowVector<3>(vnni, w, dm, blocks, x, c0, out);
+        RowAvx2<3>(w, dm, blocks / 2, x, c0, out);
         break;
       case 2:
-        RowVector<2>(vnni, w, dm, blocks, x, c0, out);
+        RowAvx2<2>(w, dm, blocks / 2, x, c0, out);
         break;
       default:
-        RowVector<1>(vnni, w, dm, blocks, x, c0, out);
+        RowAvx2<1>(w, dm, blocks / 2, x, c0, out);
     }
     done = blocks / 2 * 2;
   }
@@ -390,6 +411,13 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
   }
 #endif
   ParallelRows(pool, rows, RowGrain(pool, rows, 4), [&](int64_t r0, int64_t r1) {
+#ifdef JAXLM_X86
+    if (isa >= kAvx512Vnni) {
+      RowsVnniColumns(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, r1 - r0, a, cols,
+                      out + r0 * cols);
+      return;
+    }
+#endif
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < cols; c += 4) {
         const int64_t n = std::min<int64_t>(4, cols - c);
