@@ -10,7 +10,8 @@ Isa BestIsa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c")) {
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("f16c")) {
     return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512Vnni;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&

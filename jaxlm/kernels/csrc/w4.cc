@@ -207,7 +207,7 @@ void RowsVnniColumns(const uint8_t* w, const uint16_t* dm, int64_t blocks, int64
 // to bytes laid out as `dpbusd` takes them (four inputs of each row side by side, the 16 rows
 // across a vector), with each block's scales and minimums as 16 float32 lanes, multiply each
 // column's four activations broadcast. Every product adds into its own row's lane: nothing sums
-// across a vector, which `RowVnni` does once per row and column.
+// across a vector, which `RowsVnni` does once per row and column.
 constexpr int kPanel = 16;
 
 // A panel's bytes: block b's group g of four inputs at 64 * (8b + g); its scales and minimums:
