@@ -11,6 +11,11 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define JAXLM_X86 1
+#endif
+
 namespace jaxlm {
 
 namespace ffi = xla::ffi;
@@ -62,6 +67,15 @@ inline float HalfToFloat(uint16_t h) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+#ifdef JAXLM_X86
+// The sum of a vector's eight floats: its halves, then pairs, then the last two.
+__attribute__((target("avx2"))) inline float Sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+}
+#endif
 
 // Runs `fn(begin, end)` over the rows [0, rows) in chunks of `grain`, taken in turn by the
 // calling thread and by tasks on XLA's own pool, one thread per core in all: the caller is the

@@ -9,11 +9,6 @@
 
 #include "common.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define JAXLM_X86 1
-#endif
-
 namespace jaxlm {
 namespace {
 
@@ -84,12 +79,7 @@ __attribute__((target("avx2,fma,f16c"))) void RowAvx2(const uint16_t* w, int64_t
   }
   float sums[C];
 #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    const __m256 both = _mm256_add_ps(acc[c][0], acc[c][1]);
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    sums[c] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
-  }
+  for (int c = 0; c < C; ++c) sums[c] = Sum8(_mm256_add_ps(acc[c][0], acc[c][1]));
   Tail<H>(w, in, xt, C, full, sums);
   std::memcpy(out, sums, sizeof sums);
 }

@@ -11,11 +11,6 @@
 
 #include "common.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define JAXLM_X86 1
-#endif
-
 namespace jaxlm {
 namespace {
 
@@ -93,12 +88,6 @@ void RowPortable(const uint8_t* w, const uint16_t* dm, int64_t first, int64_t bl
 }
 
 #ifdef JAXLM_X86
-
-__attribute__((target("avx2"))) inline float Sum8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
-}
 
 // AVX2: two blocks (32 bytes of nibbles) at a time, the row's first `pairs` pairs; `maddubs`
 // multiplies the unsigned nibbles by the signed activations, and pairs of its products stay

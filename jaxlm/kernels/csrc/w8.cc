@@ -12,11 +12,6 @@
 
 #include "common.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define JAXLM_X86 1
-#endif
-
 namespace jaxlm {
 namespace {
 
