@@ -54,7 +54,9 @@ class Generator:
         mesh = mesh_of(self.params)
         # Each row owns its pages, so the pages split over `data` with the rows.
         self.partitioner = (
-            Partitioner(mesh, self.config, pages="data", draft=getattr(draft, "config", None))
+            Partitioner(
+                mesh, self.config, pages="data", draft=None if draft is None else draft.config
+            )
             if mesh is not None
             else None
         )
