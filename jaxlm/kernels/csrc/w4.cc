@@ -6,7 +6,9 @@
 // multiply them as they are read.
 // A row takes the columns four at a time; from `kPanelColumns` columns on (a prompt chunk), the
 // AVX512-VNNI path multiplies panels of 16 rows instead (`RowsPanels`).
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -31,33 +33,61 @@ struct Activations {
   int64_t supers;
 };
 
-Activations Round(const float* x, int64_t in, int64_t cols) {
-  const int64_t blocks = in / kBlock;
-  const int64_t supers = (blocks + kSuper - 1) / kSuper;
+// Columns [c0, c1) rounded into `a`, a block of all of them at a time, reading `x` along its
+// rows: a column's inputs lie `cols` apart, and a prompt chunk's columns read one by one took
+// a large share of its products.
+void RoundColumns(const float* x, int64_t in, int64_t cols, int64_t c0, int64_t c1,
+                  Activations& a) {
+  const int64_t blocks = in / kBlock, supers = a.supers, n = c1 - c0;
+  std::vector<int32_t> top(n), sum(n);
+  std::vector<float> divisor(n);
+  for (int64_t b = 0; b < blocks; ++b) {
+    // Each column's largest |x| in the block, compared as bits (`AbsMax`).
+    std::fill(top.begin(), top.end(), 0);
+    for (int64_t e = 0; e < kBlock; ++e) {
+      const float* row = x + (b * kBlock + e) * cols + c0;
+      for (int64_t j = 0; j < n; ++j) {
+        int32_t bits;
+        std::memcpy(&bits, row + j, sizeof bits);
+        top[j] = std::max(top[j], bits & 0x7fffffff);
+      }
+    }
+    const int64_t lane = 4 * (b % kSuper);
+    for (int64_t j = 0; j < n; ++j) {
+      float amax;
+      std::memcpy(&amax, &top[j], sizeof amax);
+      const float step = amax / 127.0f;
+      // A block of zeros has no step; dividing its zeros by one keeps the loop free of branches.
+      divisor[j] = step == 0.0f ? 1.0f : step;
+      float* scale = a.scale.data() + ((c0 + j) * supers + b / kSuper) * 16 + lane;
+      for (int i = 0; i < 4; ++i) scale[i] = step;
+    }
+    std::fill(sum.begin(), sum.end(), 0);
+    for (int64_t e = 0; e < kBlock; ++e) {
+      const float* row = x + (b * kBlock + e) * cols + c0;
+      int8_t* values = a.values.data() + (c0 * supers + b / kSuper) * 128 + 64 * (e / 16) +
+                       16 * (b % kSuper) + e % 16;
+      for (int64_t j = 0; j < n; ++j) {
+        const int q = static_cast<int>(RoundEven(row[j] / divisor[j]));
+        values[j * supers * 128] = static_cast<int8_t>(q);
+        sum[j] += q;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float step = a.scale[((c0 + j) * supers + b / kSuper) * 16 + lane];
+      a.offset[((c0 + j) * supers + b / kSuper) * 16 + lane] = step * static_cast<float>(sum[j]);
+    }
+  }
+}
+
+// Every column's activations, the columns split over XLA's threads.
+Activations Round(ffi::ThreadPool& pool, const float* x, int64_t in, int64_t cols) {
+  const int64_t supers = (in / kBlock + kSuper - 1) / kSuper;
   Activations a{std::vector<int8_t>(cols * supers * 128, 0),
                 std::vector<float>(cols * supers * 16, 0.0f),
                 std::vector<float>(cols * supers * 16, 0.0f), supers};
-  for (int64_t c = 0; c < cols; ++c) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[kBlock];
-      for (int64_t e = 0; e < kBlock; ++e) v[e] = x[(b * kBlock + e) * cols + c];
-      const float step = AbsMax(v, kBlock) / 127.0f;
-      // A block of zeros has no step; dividing its zeros by one keeps the loop free of branches.
-      const float divisor = step == 0.0f ? 1.0f : step;
-      const int64_t super = c * supers + b / kSuper, lane = 4 * (b % kSuper);
-      int8_t* values = a.values.data() + super * 128 + 16 * (b % kSuper);
-      int32_t sum = 0;
-      for (int64_t half = 0; half < 2; ++half) {
-        for (int64_t e = 0; e < 16; ++e) {
-          const int q = static_cast<int>(RoundEven(v[16 * half + e] / divisor));
-          values[64 * half + e] = static_cast<int8_t>(q);
-          sum += q;
-        }
-      }
-      for (int i = 0; i < 4; ++i) a.scale[super * 16 + lane + i] = step;
-      a.offset[super * 16 + lane] = step * static_cast<float>(sum);
-    }
-  }
+  ParallelRows(pool, cols, RowGrain(pool, cols, 1),
+               [&](int64_t c0, int64_t c1) { RoundColumns(x, in, cols, c0, c1, a); });
   return a;
 }
 
@@ -386,7 +416,7 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
         "w4_matmul: `scales` needs a scale and a minimum per block of 32 of each row");
   }
   const Isa isa = ActiveIsa();
-  const Activations a = Round(x.typed_data(), in, cols);
+  const Activations a = Round(pool, x.typed_data(), in, cols);
   const uint8_t* w = packed.typed_data();
   const uint16_t* dm = scales.typed_data();
   float* out = y->typed_data();
