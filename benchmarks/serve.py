@@ -23,6 +23,9 @@ Over HTTP (`--url`, `--vs llama.cpp`), the same requests go to OpenAI-compatible
 streamed `/v1/completions` (greedy, `max_tokens` = the output length, `ignore_eos`), the prompts
 as token-id lists where the server takes them (else as the tokenizer's text), and the figures
 are a client's: TTFT from sending to the first chunk with a token, ITL the gaps between chunks.
+A warm-up on other prompts keeps the measured ones out of a server's prompt cache within a run,
+not across runs: give `--url` a server started afresh for each run (`--vs llama.cpp` starts its
+`llama-server` anew every time).
 
 Usage: python benchmarks/serve.py [--model PATH] [--requests 32] [--rate 4] [--max-num-seqs 8]
     [--prompt-len 16,128] [--output-len 16,128] [--max-seq-len N] [--max-num-batched-tokens 256]
