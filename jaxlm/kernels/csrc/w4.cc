@@ -52,15 +52,17 @@ void RoundColumns(const float* x, int64_t in, int64_t cols, int64_t c0, int64_t 
         top[j] = std::max(top[j], bits & 0x7fffffff);
       }
     }
-    const int64_t lane = 4 * (b % kSuper);
+    // Column j's four lanes of the block in `scale` and `offset`.
+    const auto lanes = [&](int64_t j) {
+      return ((c0 + j) * supers + b / kSuper) * 16 + 4 * (b % kSuper);
+    };
     for (int64_t j = 0; j < n; ++j) {
       float amax;
       std::memcpy(&amax, &top[j], sizeof amax);
       const float step = amax / 127.0f;
       // A block of zeros has no step; dividing its zeros by one keeps the loop free of branches.
       divisor[j] = step == 0.0f ? 1.0f : step;
-      float* scale = a.scale.data() + ((c0 + j) * supers + b / kSuper) * 16 + lane;
-      for (int i = 0; i < 4; ++i) scale[i] = step;
+      for (int i = 0; i < 4; ++i) a.scale[lanes(j) + i] = step;
     }
     std::fill(sum.begin(), sum.end(), 0);
     for (int64_t e = 0; e < kBlock; ++e) {
@@ -74,8 +76,7 @@ void RoundColumns(const float* x, int64_t in, int64_t cols, int64_t c0, int64_t 
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      const float step = a.scale[((c0 + j) * supers + b / kSuper) * 16 + lane];
-      a.offset[((c0 + j) * supers + b / kSuper) * 16 + lane] = step * static_cast<float>(sum[j]);
+      a.offset[lanes(j)] = a.scale[lanes(j)] * static_cast<float>(sum[j]);
     }
   }
 }
