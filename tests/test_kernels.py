@@ -24,8 +24,9 @@ from jaxlm.kernels import int4
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 COLUMNS = (1, 2, 3, 8, 64)
-# The 4-bit product's panels take columns four at a time, then the 3, 2 or 1 left.
-W4_COLUMNS = (*COLUMNS, 17, 18, 19)
+# The 4-bit product's rows and, from 24 columns on, its panels take columns four at a time, then
+# the 3, 2 or 1 left.
+W4_COLUMNS = (*COLUMNS, 17, 25, 26, 27)
 # Every path of the kernels this CPU runs; the library is built by `pip install`.
 ISAS = kernels.cpu_isas()
 

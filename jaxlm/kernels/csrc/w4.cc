@@ -19,8 +19,12 @@ namespace {
 constexpr int64_t kBlock = 32;
 // The vector paths read four blocks of nibbles (64 bytes) at a time: a super-block.
 constexpr int64_t kSuper = 4;
-// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`).
-constexpr int64_t kPanelColumns = 16;
+// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`), whose
+// packing costs more than it saves on fewer columns.
+constexpr int64_t kPanelColumns = 24;
+// Columns rounded by one thread at least: a few are rounded in less time than a thread takes
+// to start.
+constexpr int64_t kRoundColumns = 16;
 
 // The activations of `cols` columns, per super-block of each: 128 int8 values (the four
 // blocks' first halves, then their second halves), and 16 lanes of float32 factors, four per
@@ -87,7 +91,7 @@ Activations Round(ffi::ThreadPool& pool, const float* x, int64_t in, int64_t col
   Activations a{std::vector<int8_t>(cols * supers * 128, 0),
                 std::vector<float>(cols * supers * 16, 0.0f),
                 std::vector<float>(cols * supers * 16, 0.0f), supers};
-  ParallelRows(pool, cols, RowGrain(pool, cols, 1),
+  ParallelRows(pool, cols, RowGrain(pool, cols, kRoundColumns),
                [&](int64_t c0, int64_t c1) { RoundColumns(x, in, cols, c0, c1, a); });
   return a;
 }
@@ -159,66 +163,79 @@ __attribute__((target("avx2,fma,f16c"))) void RowAvx2(const uint8_t* w, const ui
   for (int j = 0; j < ND; ++j) out[j] += Sum8(acc[j]);
 }
 
-// AVX512-VNNI: rows [0, rows) against columns [c0, c0 + ND), four blocks (64 bytes of nibbles)
-// at a time, `dpbusd` multiplying the unsigned nibbles by the signed activations, into `out`
-// [rows][cols]. A row's last super-block is read under a mask where its blocks do not fill it
-// (the activations past them are zeros), so a row is one loop and one sum across the vector.
+// AVX512-VNNI: super-block `s` (64 bytes of nibbles) of a row against columns [c0, c0 + ND),
+// `dpbusd` multiplying the unsigned nibbles by the signed activations, added to `acc`; the
+// nibbles and the blocks' scales read under the masks `bytes` and `halves`.
 template <int ND>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void RowsVnni(
-    const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows, const Activations& x,
-    int64_t c0, int64_t cols, float* out) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) inline void SuperVnni(
+    const uint8_t* w, const uint16_t* dm, int64_t s, __mmask64 bytes, __mmask8 halves,
+    const Activations& x, int64_t c0, __m512 (&acc)[ND]) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const __m512i m_lanes = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-  const int64_t supers = x.supers, tail = blocks - kSuper * (supers - 1);
-  const __mmask64 tail_bytes = tail == kSuper ? ~__mmask64{0} : (__mmask64{1} << (16 * tail)) - 1;
-  const auto tail_halves = static_cast<__mmask8>((1u << (2 * tail)) - 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = w + r * blocks * 16;
-    const uint16_t* row_dm = dm + r * blocks * 2;
-    __m512 acc[ND];
-    for (int j = 0; j < ND; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < supers; ++s) {
-      const bool last = s + 1 == supers;
-      const __mmask64 bytes = last ? tail_bytes : ~__mmask64{0};
-      const __mmask8 halves = last ? tail_halves : __mmask8{0xff};
-      const __m512i wv = _mm512_maskz_loadu_epi8(bytes, row + s * 64);
-      const __m512i lo = _mm512_and_si512(wv, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-      const __m256 quad = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, row_dm + s * 8));
-      const __m512 wide = _mm512_castps256_ps512(quad);
-      const __m512 d = _mm512_permutexvar_ps(d_lanes, wide);
-      const __m512 m = _mm512_permutexvar_ps(m_lanes, wide);
-      for (int j = 0; j < ND; ++j) {
-        const int64_t at = (c0 + j) * supers + s;
-        const int8_t* values = x.values.data() + at * 128;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(values));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(values + 64));
-        const __m512 scale = _mm512_loadu_ps(x.scale.data() + at * 16);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), acc[j]);
-        acc[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.offset.data() + at * 16), acc[j]);
-      }
-    }
-    for (int j = 0; j < ND; ++j) out[r * cols + c0 + j] = _mm512_reduce_add_ps(acc[j]);
+  const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + s * 64);
+  const __m512i lo = _mm512_and_si512(wv, low);
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+  const __m256 quad = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, dm + s * 8));
+  const __m512 wide = _mm512_castps256_ps512(quad);
+  const __m512 d = _mm512_permutexvar_ps(d_lanes, wide);
+  const __m512 m = _mm512_permutexvar_ps(m_lanes, wide);
+#pragma GCC unroll 4
+  for (int j = 0; j < ND; ++j) {
+    const int64_t at = (c0 + j) * x.supers + s;
+    const int8_t* values = x.values.data() + at * 128;
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(values));
+    dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(values + 64));
+    const __m512 scale = _mm512_loadu_ps(x.scale.data() + at * 16);
+    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), acc[j]);
+    acc[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.offset.data() + at * 16), acc[j]);
   }
 }
 
-// Rows [0, rows) against every column, four at a time, on the AVX512-VNNI path.
-void RowsVnniColumns(const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows,
-                     const Activations& x, int64_t cols, float* out) {
-  for (int64_t c = 0; c < cols; c += 4) {
-    switch (std::min<int64_t>(4, cols - c)) {
-      case 4:
-        RowsVnni<4>(w, dm, blocks, rows, x, c, cols, out);
-        break;
-      case 3:
-        RowsVnni<3>(w, dm, blocks, rows, x, c, cols, out);
-        break;
-      case 2:
-        RowsVnni<2>(w, dm, blocks, rows, x, c, cols, out);
-        break;
-      default:
-        RowsVnni<1>(w, dm, blocks, rows, x, c, cols, out);
+// A row against columns [c0, c0 + ND), into `out` [cols] from the row's, a super-block at a
+// time. Only the row's last super-block is read under a mask (where its blocks do not fill it;
+// the activations past them are zeros): masks on every read made the loop 1.6-2.2x slower
+// (`docs/performance.md`).
+template <int ND>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void RowVnni(
+    const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x, int64_t c0,
+    float* out) {
+  const int64_t supers = x.supers, tail = blocks - kSuper * (supers - 1);
+  __m512 acc[ND];
+#pragma GCC unroll 4
+  for (int j = 0; j < ND; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s + 1 < supers; ++s) {
+    SuperVnni<ND>(w, dm, s, ~__mmask64{0}, __mmask8{0xff}, x, c0, acc);
+  }
+  const __mmask64 bytes = tail == kSuper ? ~__mmask64{0} : (__mmask64{1} << (16 * tail)) - 1;
+  SuperVnni<ND>(w, dm, supers - 1, bytes, static_cast<__mmask8>((1u << (2 * tail)) - 1), x, c0,
+                acc);
+#pragma GCC unroll 4
+  for (int j = 0; j < ND; ++j) out[c0 + j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+// Rows [0, rows) against every column, four at a time, on the AVX512-VNNI path, into `out`
+// [rows][cols]: each row against all of them before the next, while its weights are in the
+// cache.
+void RowsVnni(const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows,
+              const Activations& x, int64_t cols, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + r * blocks * 16;
+    const uint16_t* row_dm = dm + r * blocks * 2;
+    for (int64_t c = 0; c < cols; c += 4) {
+      switch (std::min<int64_t>(4, cols - c)) {
+        case 4:
+          RowVnni<4>(row, row_dm, blocks, x, c, out + r * cols);
+          break;
+        case 3:
+          RowVnni<3>(row, row_dm, blocks, x, c, out + r * cols);
+          break;
+        case 2:
+          RowVnni<2>(row, row_dm, blocks, x, c, out + r * cols);
+          break;
+        default:
+          RowVnni<1>(row, row_dm, blocks, x, c, out + r * cols);
+      }
     }
   }
 }
@@ -433,8 +450,8 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
   ParallelRows(pool, rows, RowGrain(pool, rows, 4), [&](int64_t r0, int64_t r1) {
 #ifdef JAXLM_X86
     if (isa >= kAvx512Vnni) {
-      RowsVnniColumns(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, r1 - r0, a, cols,
-                      out + r0 * cols);
+      RowsVnni(w + r0 * blocks * 16, dm + r0 * blocks * 2, blocks, r1 - r0, a, cols,
+               out + r0 * cols);
       return;
     }
 #endif
