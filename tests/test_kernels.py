@@ -24,9 +24,9 @@ from jaxlm.kernels import int4
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 COLUMNS = (1, 2, 3, 8, 64)
-# The 4-bit product's rows and, from 24 columns on, its panels take columns four at a time, then
+# The 4-bit product's rows and, from 36 columns on, its panels take columns four at a time, then
 # the 3, 2 or 1 left.
-W4_COLUMNS = (*COLUMNS, 17, 25, 26, 27)
+W4_COLUMNS = (*COLUMNS, 17, 37, 38, 39)
 # Every path of the kernels this CPU runs; the library is built by `pip install`.
 ISAS = kernels.cpu_isas()
 
@@ -119,8 +119,9 @@ def w4_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.nd
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cols", W4_COLUMNS)
-# Rows past whole panels of 16 (the AVX512-VNNI path from 16 columns on) among them, and rows of
-# 0 to 3 blocks past whole super-blocks (the vector paths' four blocks at a time).
+# Rows past whole panels of 16 (the AVX512-VNNI path from 36 columns on) and past pairs of rows
+# (below) among them, and rows of 0 to 3 blocks past whole super-blocks (the vector paths' four
+# blocks at a time).
 @pytest.mark.parametrize(
     "shape", [(1, 32), (5, 96), (3, 4, 160), (17, 576), (53, 96), (2, 20, 64), (6, 128)]
 )

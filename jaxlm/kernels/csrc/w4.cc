@@ -4,8 +4,9 @@
 // step each. Byte i of a block holds element i in its low nibble and element i + 16 in its
 // high one, as GGUF stores them; the activations are laid out to match, so the nibbles
 // multiply them as they are read.
-// A row takes the columns four at a time; from `kPanelColumns` columns on (a prompt chunk), the
-// AVX512-VNNI path multiplies panels of 16 rows instead (`RowsPanels`).
+// A row takes the columns four at a time (two rows together on the AVX512-VNNI path); from
+// `kPanelColumns` columns on (a prompt chunk), that path multiplies panels of 16 rows instead
+// (`RowsPanels`).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -19,8 +20,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 // The vector paths read four blocks of nibbles (64 bytes) at a time: a super-block.
 constexpr int64_t kSuper = 4;
-// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`), whose
-// packing costs more than it saves on fewer columns.
+// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`).
 constexpr int64_t kPanelColumns = 24;
 // Columns rounded by one thread at least: a few are rounded in less time than a thread takes
 // to start.
@@ -163,80 +163,107 @@ __attribute__((target("avx2,fma,f16c"))) void RowAvx2(const uint8_t* w, const ui
   for (int j = 0; j < ND; ++j) out[j] += Sum8(acc[j]);
 }
 
-// AVX512-VNNI: super-block `s` (64 bytes of nibbles) of a row against columns [c0, c0 + ND),
-// `dpbusd` multiplying the unsigned nibbles by the signed activations, added to `acc`; the
-// nibbles and the blocks' scales read under the masks `bytes` and `halves`.
-template <int ND>
+// AVX512-VNNI: super-block `s` (64 bytes of nibbles) of NR rows, `stride` blocks apart, against
+// columns [c0, c0 + ND), `dpbusd` multiplying the unsigned nibbles by the signed activations,
+// added to `acc`; the nibbles and the blocks' scales read under the masks `bytes` and `halves`.
+// The rows share each column's loads.
+template <int NR, int ND>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) inline void SuperVnni(
-    const uint8_t* w, const uint16_t* dm, int64_t s, __mmask64 bytes, __mmask8 halves,
-    const Activations& x, int64_t c0, __m512 (&acc)[ND]) {
+    const uint8_t* w, const uint16_t* dm, int64_t stride, int64_t s, __mmask64 bytes,
+    __mmask8 halves, const Activations& x, int64_t c0, __m512 (&acc)[NR][ND]) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const __m512i m_lanes = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-  const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + s * 64);
-  const __m512i lo = _mm512_and_si512(wv, low);
-  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-  const __m256 quad = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, dm + s * 8));
-  const __m512 wide = _mm512_castps256_ps512(quad);
-  const __m512 d = _mm512_permutexvar_ps(d_lanes, wide);
-  const __m512 m = _mm512_permutexvar_ps(m_lanes, wide);
+  __m512i lo[NR], hi[NR];
+  __m512 d[NR], m[NR];
+#pragma GCC unroll 2
+  for (int i = 0; i < NR; ++i) {
+    const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + i * stride * 16 + s * 64);
+    lo[i] = _mm512_and_si512(wv, low);
+    hi[i] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+    const __m256 quad = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(halves, dm + i * stride * 2 + s * 8));
+    const __m512 wide = _mm512_castps256_ps512(quad);
+    d[i] = _mm512_permutexvar_ps(d_lanes, wide);
+    m[i] = _mm512_permutexvar_ps(m_lanes, wide);
+  }
 #pragma GCC unroll 4
   for (int j = 0; j < ND; ++j) {
     const int64_t at = (c0 + j) * x.supers + s;
     const int8_t* values = x.values.data() + at * 128;
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(values));
-    dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(values + 64));
+    const __m512i first = _mm512_loadu_si512(values), second = _mm512_loadu_si512(values + 64);
     const __m512 scale = _mm512_loadu_ps(x.scale.data() + at * 16);
-    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), acc[j]);
-    acc[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.offset.data() + at * 16), acc[j]);
+    const __m512 offset = _mm512_loadu_ps(x.offset.data() + at * 16);
+#pragma GCC unroll 2
+    for (int i = 0; i < NR; ++i) {
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], first);
+      dot = _mm512_dpbusd_epi32(dot, hi[i], second);
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[i], scale), acc[i][j]);
+      acc[i][j] = _mm512_fmadd_ps(m[i], offset, acc[i][j]);
+    }
   }
 }
 
-// A row against columns [c0, c0 + ND), into `out` [cols] from the row's, a super-block at a
-// time. Only the row's last super-block is read under a mask (where its blocks do not fill it;
-// the activations past them are zeros): masks on every read made the loop 1.6-2.2x slower
-// (`docs/performance.md`).
-template <int ND>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void RowVnni(
+// NR rows against columns [c0, c0 + ND), into `out` [rows][cols] from the first row's, a
+// super-block at a time. Only a row's last super-block is read under a mask (where its blocks
+// do not fill it; the activations past them are zeros): masks on every read made the loop
+// 1.6-2.2x slower (`docs/performance.md`).
+template <int NR, int ND>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void TileVnni(
     const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x, int64_t c0,
-    float* out) {
+    int64_t cols, float* out) {
   const int64_t supers = x.supers, tail = blocks - kSuper * (supers - 1);
-  __m512 acc[ND];
+  __m512 acc[NR][ND];
+#pragma GCC unroll 2
+  for (int i = 0; i < NR; ++i) {
 #pragma GCC unroll 4
-  for (int j = 0; j < ND; ++j) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
   for (int64_t s = 0; s + 1 < supers; ++s) {
-    SuperVnni<ND>(w, dm, s, ~__mmask64{0}, __mmask8{0xff}, x, c0, acc);
+    SuperVnni<NR, ND>(w, dm, blocks, s, ~__mmask64{0}, __mmask8{0xff}, x, c0, acc);
   }
   const __mmask64 bytes = tail == kSuper ? ~__mmask64{0} : (__mmask64{1} << (16 * tail)) - 1;
-  SuperVnni<ND>(w, dm, supers - 1, bytes, static_cast<__mmask8>((1u << (2 * tail)) - 1), x, c0,
-                acc);
+  const auto halves = static_cast<__mmask8>((1u << (2 * tail)) - 1);
+  SuperVnni<NR, ND>(w, dm, blocks, supers - 1, bytes, halves, x, c0, acc);
+#pragma GCC unroll 2
+  for (int i = 0; i < NR; ++i) {
 #pragma GCC unroll 4
-  for (int j = 0; j < ND; ++j) out[c0 + j] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < ND; ++j) out[i * cols + c0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
 }
 
-// Rows [0, rows) against every column, four at a time, on the AVX512-VNNI path, into `out`
-// [rows][cols]: each row against all of them before the next, while its weights are in the
-// cache.
+// NR rows from `w` against every column, four at a time, on the AVX512-VNNI path, into `out`
+// [rows][cols] from the first row's.
+template <int NR>
+void TilesVnni(const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
+               int64_t cols, float* out) {
+  for (int64_t c = 0; c < cols; c += 4) {
+    switch (std::min<int64_t>(4, cols - c)) {
+      case 4:
+        TileVnni<NR, 4>(w, dm, blocks, x, c, cols, out);
+        break;
+      case 3:
+        TileVnni<NR, 3>(w, dm, blocks, x, c, cols, out);
+        break;
+      case 2:
+        TileVnni<NR, 2>(w, dm, blocks, x, c, cols, out);
+        break;
+      default:
+        TileVnni<NR, 1>(w, dm, blocks, x, c, cols, out);
+    }
+  }
+}
+
+// Rows [0, rows) against every column on the AVX512-VNNI path, into `out` [rows][cols]: two
+// rows at a time against all of the columns before the next two, while their weights are in
+// the cache (four rows at a time spill the accumulators).
 void RowsVnni(const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows,
               const Activations& x, int64_t cols, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = w + r * blocks * 16;
-    const uint16_t* row_dm = dm + r * blocks * 2;
-    for (int64_t c = 0; c < cols; c += 4) {
-      switch (std::min<int64_t>(4, cols - c)) {
-        case 4:
-          RowVnni<4>(row, row_dm, blocks, x, c, out + r * cols);
-          break;
-        case 3:
-          RowVnni<3>(row, row_dm, blocks, x, c, out + r * cols);
-          break;
-        case 2:
-          RowVnni<2>(row, row_dm, blocks, x, c, out + r * cols);
-          break;
-        default:
-          RowVnni<1>(row, row_dm, blocks, x, c, out + r * cols);
-      }
-    }
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    TilesVnni<2>(w + r * blocks * 16, dm + r * blocks * 2, blocks, x, cols, out + r * cols);
+  }
+  if (r < rows) {
+    TilesVnni<1>(w + r * blocks * 16, dm + r * blocks * 2, blocks, x, cols, out + r * cols);
   }
 }
 
