@@ -20,8 +20,9 @@ namespace {
 constexpr int64_t kBlock = 32;
 // The vector paths read four blocks of nibbles (64 bytes) at a time: a super-block.
 constexpr int64_t kSuper = 4;
-// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`).
-constexpr int64_t kPanelColumns = 24;
+// From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`), whose
+// packing costs more than it saves on fewer columns.
+constexpr int64_t kPanelColumns = 36;
 // Columns rounded by one thread at least: a few are rounded in less time than a thread takes
 // to start.
 constexpr int64_t kRoundColumns = 16;
