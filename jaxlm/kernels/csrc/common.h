@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -36,19 +37,27 @@ inline int64_t RoundUp(int64_t n, int64_t multiple) {
 // call, so that loops of it vectorize: adding 1.5 * 2^23 leaves no fraction to keep.
 inline float RoundEven(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-// The largest |x[i]| of `n` values, compared as the bits of |x|, which order as the values do:
-// the loop vectorizes, where `std::fmax` is a library call a value. A NaN compares above every
-// value and makes its column's step NaN.
+// |v| as the bits of its float, which order as the magnitudes do: a maximum over them is a loop
+// the compiler vectorizes, where `std::fmax` is a library call a value. A NaN compares above
+// every value.
+inline int32_t MagnitudeBits(float v) {
+  int32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits & 0x7fffffff;
+}
+
+// The float whose bits `MagnitudeBits` gave.
+inline float FromBits(int32_t bits) {
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// The largest |x[i]| of `n` values (a NaN makes its column's step NaN).
 inline float AbsMax(const float* x, int64_t n) {
   int32_t top = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t bits;
-    std::memcpy(&bits, x + i, sizeof bits);
-    top = std::max(top, bits & 0x7fffffff);
-  }
-  float amax;
-  std::memcpy(&amax, &top, sizeof amax);
-  return amax;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, MagnitudeBits(x[i]));
+  return FromBits(top);
 }
 
 // IEEE half to float, for the portable path (the vector paths convert in hardware).
@@ -76,6 +85,26 @@ __attribute__((target("avx2"))) inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
 }
 #endif
+
+// Calls `tile(c, std::integral_constant<int, N>{})` for the columns [c, c + N) of [0, count),
+// four at a time, then the 3, 2 or 1 left: the kernels' tiles take their count of columns as a
+// template argument, so that their accumulators are registers.
+template <typename Tile>
+void InFours(int64_t count, const Tile& tile) {
+  int64_t c = 0;
+  for (; c + 4 <= count; c += 4) tile(c, std::integral_constant<int, 4>{});
+  switch (count - c) {
+    case 3:
+      tile(c, std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      tile(c, std::integral_constant<int, 2>{});
+      break;
+    case 1:
+      tile(c, std::integral_constant<int, 1>{});
+      break;
+  }
+}
 
 // Runs `fn(begin, end)` over the rows [0, rows) in chunks of `grain`, taken in turn by the
 // calling thread and by tasks on XLA's own pool, one thread per core in all: the caller is the

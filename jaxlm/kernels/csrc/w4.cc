@@ -51,20 +51,14 @@ void RoundColumns(const float* x, int64_t in, int64_t cols, int64_t c0, int64_t 
     std::fill(top.begin(), top.end(), 0);
     for (int64_t e = 0; e < kBlock; ++e) {
       const float* row = x + (b * kBlock + e) * cols + c0;
-      for (int64_t j = 0; j < n; ++j) {
-        int32_t bits;
-        std::memcpy(&bits, row + j, sizeof bits);
-        top[j] = std::max(top[j], bits & 0x7fffffff);
-      }
+      for (int64_t j = 0; j < n; ++j) top[j] = std::max(top[j], MagnitudeBits(row[j]));
     }
     // Column j's four lanes of the block in `scale` and `offset`.
     const auto lanes = [&](int64_t j) {
       return ((c0 + j) * supers + b / kSuper) * 16 + 4 * (b % kSuper);
     };
     for (int64_t j = 0; j < n; ++j) {
-      float amax;
-      std::memcpy(&amax, &top[j], sizeof amax);
-      const float step = amax / 127.0f;
+      const float step = FromBits(top[j]) / 127.0f;
       // A block of zeros has no step; dividing its zeros by one keeps the loop free of branches.
       divisor[j] = step == 0.0f ? 1.0f : step;
       for (int i = 0; i < 4; ++i) a.scale[lanes(j) + i] = step;
@@ -237,21 +231,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ti
 template <int NR>
 void TilesVnni(const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
                int64_t cols, float* out) {
-  for (int64_t c = 0; c < cols; c += 4) {
-    switch (std::min<int64_t>(4, cols - c)) {
-      case 4:
-        TileVnni<NR, 4>(w, dm, blocks, x, c, cols, out);
-        break;
-      case 3:
-        TileVnni<NR, 3>(w, dm, blocks, x, c, cols, out);
-        break;
-      case 2:
-        TileVnni<NR, 2>(w, dm, blocks, x, c, cols, out);
-        break;
-      default:
-        TileVnni<NR, 1>(w, dm, blocks, x, c, cols, out);
-    }
-  }
+  InFours(cols, [&](int64_t c, auto nd) {
+    TileVnni<NR, decltype(nd)::value>(w, dm, blocks, x, c, cols, out);
+  });
 }
 
 // Rows [0, rows) against every column on the AVX512-VNNI path, into `out` [rows][cols]: two
@@ -378,19 +360,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void PanelTile(
 template <int NP>
 void PanelColumns(const Panel* panels, int64_t blocks, int64_t rows, const Activations& x,
                   int64_t cols, float* out) {
-  int64_t c = 0;
-  for (; c + 4 <= cols; c += 4) PanelTile<NP, 4>(panels, blocks, rows, x, c, cols, out);
-  switch (cols - c) {
-    case 3:
-      PanelTile<NP, 3>(panels, blocks, rows, x, c, cols, out);
-      break;
-    case 2:
-      PanelTile<NP, 2>(panels, blocks, rows, x, c, cols, out);
-      break;
-    case 1:
-      PanelTile<NP, 1>(panels, blocks, rows, x, c, cols, out);
-      break;
-  }
+  InFours(cols, [&](int64_t c, auto nd) {
+    PanelTile<NP, decltype(nd)::value>(panels, blocks, rows, x, c, cols, out);
+  });
 }
 
 // `rows` rows of `w` against every column, into `out` [rows][cols].
@@ -419,31 +391,20 @@ void RowsPanels(const uint8_t* w, const uint16_t* dm, int64_t blocks, const Acti
 
 #endif  // JAXLM_X86
 
-// Row `w` (`blocks` blocks) against columns [c0, c0 + n), n <= 4, on the path `isa` below
+// Row `w` (`blocks` blocks) against columns [c0, c0 + ND), on the path `isa` below
 // AVX512-VNNI: the AVX2 path takes the blocks in pairs, the portable one the rest.
+template <int ND>
 void Row(Isa isa, const uint8_t* w, const uint16_t* dm, int64_t blocks, const Activations& x,
-         int64_t c0, int64_t n, float* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
+         int64_t c0, float* out) {
+  for (int64_t j = 0; j < ND; ++j) out[j] = 0.0f;
   int64_t done = 0;
 #ifdef JAXLM_X86
   if (isa != kPortable) {
-    switch (n) {
-      case 4:
-        RowAvx2<4>(w, dm, blocks / 2, x, c0, out);
-        break;
-      case 3:
-        RowAvx2<3>(w, dm, blocks / 2, x, c0, out);
-        break;
-      case 2:
-        RowAvx2<2>(w, dm, blocks / 2, x, c0, out);
-        break;
-      default:
-        RowAvx2<1>(w, dm, blocks / 2, x, c0, out);
-    }
+    RowAvx2<ND>(w, dm, blocks / 2, x, c0, out);
     done = blocks / 2 * 2;
   }
 #endif
-  RowPortable(w, dm, done, blocks, x, c0, n, out);
+  RowPortable(w, dm, done, blocks, x, c0, ND, out);
 }
 
 ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> scales,
@@ -484,12 +445,10 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buff
     }
 #endif
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t c = 0; c < cols; c += 4) {
-        const int64_t n = std::min<int64_t>(4, cols - c);
-        float tile[4];
-        Row(isa, w + r * blocks * 16, dm + r * blocks * 2, blocks, a, c, n, tile);
-        for (int64_t j = 0; j < n; ++j) out[r * cols + c + j] = tile[j];
-      }
+      InFours(cols, [&](int64_t c, auto nd) {
+        Row<decltype(nd)::value>(isa, w + r * blocks * 16, dm + r * blocks * 2, blocks, a, c,
+                                 out + r * cols + c);
+      });
     }
   });
   return ffi::Error::Success();

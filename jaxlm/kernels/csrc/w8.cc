@@ -266,24 +266,10 @@ struct VnniPath {
 // Every digit vector against NR rows, four at a time (as many accumulators as registers allow).
 template <typename Path, int NR>
 void TileRows(const int8_t* w, int64_t in, const Digits& x, int32_t* out) {
-  const int8_t* xv = x.values.data();
-  const int32_t* totals = x.totals.data();
-  int j = 0;
-  for (; j + 4 <= x.count; j += 4) {
-    Path::template Tile<NR, 4>(w, in, xv + j * x.stride, x.stride, totals + j, out + j, x.count);
-  }
-  const int8_t* rest = xv + j * x.stride;
-  switch (x.count - j) {
-    case 3:
-      Path::template Tile<NR, 3>(w, in, rest, x.stride, totals + j, out + j, x.count);
-      break;
-    case 2:
-      Path::template Tile<NR, 2>(w, in, rest, x.stride, totals + j, out + j, x.count);
-      break;
-    case 1:
-      Path::template Tile<NR, 1>(w, in, rest, x.stride, totals + j, out + j, x.count);
-      break;
-  }
+  InFours(x.count, [&](int64_t j, auto nd) {
+    Path::template Tile<NR, decltype(nd)::value>(w, in, x.values.data() + j * x.stride, x.stride,
+                                                 x.totals.data() + j, out + j, x.count);
+  });
 }
 
 // Rows [r0, r1), NR at a time.
