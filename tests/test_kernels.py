@@ -224,6 +224,106 @@ def test_int4_quantize_rounds_to_the_nearest_step():
     assert packed.dtype == jnp.uint8 and scales.dtype == jnp.float16
 
 
+def attention_inputs(rng, heads, kv, d, rows, width, size, per_row, half):
+    """Random queries and pages, each row's pages listed out of order and some masked whole,
+    and a mask with holes in which every query sees its row's first slot."""
+    n = rows * per_row + 2
+    q = rng.standard_normal((heads, d, rows, width), np.float32)
+    k = rng.standard_normal((n, kv, d, size), np.float32)
+    v = rng.standard_normal((n, kv, size, d), np.float32)
+    table = rng.permutation(n)[: rows * per_row].reshape(rows, per_row).astype(np.int32)
+    mask = rng.random((rows, width, per_row * size)) < 0.7
+    mask[:, :, size : 2 * size] = False
+    mask[:, :, 0] = True
+    if half:
+        k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16).view(jnp.uint16)) for a in (k, v))
+    return q, k, v, table, mask
+
+
+def attention_reference(q, k, v, table, mask, scale):
+    """Softmax attention in float64 over each row's pages laid end to end."""
+    if k.dtype == np.uint16:
+        k, v = ((a.astype(np.uint32) << 16).view(np.float32) for a in (k, v))
+    heads, d, rows, width = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros((heads, d, rows, width))
+    for b in range(rows):
+        keys = np.concatenate(list(k[table[b]]), axis=-1).astype(np.float64)  # [kv, d, slots]
+        values = np.concatenate(list(v[table[b]]), axis=-2).astype(np.float64)
+        for h in range(heads):
+            scores = np.einsum("dt,ds->ts", q[h, :, b], keys[h // group]) * scale
+            scores = np.where(mask[b], scores, -np.inf)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            out[h, :, b] = (probs @ values[h // group]).T
+    return out.reshape(heads * d, rows, width)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+# Grouped and plain heads; features and page sizes past whole vectors of 16; one query (a decode
+# step), a drafted chunk's few, and the most (`jaxlm.ops.attention.PAGE_BY_PAGE`).
+@pytest.mark.parametrize(
+    "heads, kv, d, rows, width, size, per_row",
+    [
+        (9, 3, 64, 1, 1, 128, 2),
+        (4, 4, 80, 3, 4, 16, 5),
+        (8, 1, 7, 2, 17, 4, 9),
+        (6, 2, 128, 5, 1, 7, 6),
+    ],
+)
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16"])
+def test_attend_equals_numpy(isa, heads, kv, d, rows, width, size, per_row, half):
+    rng = np.random.default_rng(heads * width + size)
+    q, k, v, table, mask = attention_inputs(rng, heads, kv, d, rows, width, size, per_row, half)
+    with kernels.limited_to(isa):
+        out = np.asarray(jax.jit(kernels.attend, static_argnums=5)(q, k, v, table, mask, 0.3))
+    expected = attention_reference(q, k, v, table, mask, 0.3)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_attend_gives_each_query_the_same_bits_alone_and_on_every_path():
+    # A drafted chunk's tokens are those of decoding one at a time only if each of its queries
+    # comes out as it would alone (`jaxlm.speculative`).
+    rng = np.random.default_rng(0)
+    q, k, v, table, mask = attention_inputs(rng, 9, 3, 64, 2, 5, 16, 4, half=False)
+    attend = jax.jit(kernels.attend, static_argnums=5)
+    chunks = []
+    for isa in ISAS:
+        with kernels.limited_to(isa):
+            chunks.append(np.asarray(attend(q, k, v, table, mask, 0.125)))
+            for t in range(5):
+                alone = attend(q[..., t : t + 1], k, v, table, mask[:, t : t + 1], 0.125)
+                np.testing.assert_array_equal(np.asarray(alone)[..., 0], chunks[-1][..., t])
+    for chunk in chunks[1:]:
+        np.testing.assert_array_equal(chunk, chunks[0])
+
+
+def test_attend_reads_no_page_that_no_query_sees():
+    # A plan sized for long requests decodes short ones without reading its empty pages: here
+    # they hold NaNs, which any product with them would spread.
+    rng = np.random.default_rng(2)
+    q, k, v, table, mask = attention_inputs(rng, 9, 3, 64, 2, 3, 16, 6, half=False)
+    mask[:, :, 3 * 16 :] = False
+    unseen = table[:, 3:].reshape(-1)
+    expected = attention_reference(q, k, v, table, mask, 0.125)
+    k[unseen], v[unseen] = np.nan, np.nan
+    out = np.asarray(jax.jit(kernels.attend, static_argnums=5)(q, k, v, table, mask, 0.125))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_a_decode_step_attends_over_the_pages_where_they_lie():
+    from jaxlm.ops.attention import attend_paged
+
+    rng = np.random.default_rng(1)
+    q, k, v, table, mask = attention_inputs(rng, 9, 3, 64, 2, 1, 16, 4, half=False)
+    cache = {"k_pages": jnp.asarray(k), "v_pages": jnp.asarray(v)}
+    step = jax.jit(attend_paged).lower(q, cache, table, mask, 64).compile().as_text()
+    assert "jaxlm_attend" in step and " gather(" not in step
+    out = attend_paged(q, cache, table, mask, 64)
+    expected = attention_reference(q, k, v, table, mask, 64**-0.5)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+
+
 def test_bad_input_names_the_argument():
     q, scale, x = np.zeros((4, 64), np.int8), np.zeros(4, np.float32), np.zeros((64, 1))
     signs = np.ones(64, np.float32)
@@ -255,6 +355,17 @@ def test_bad_input_names_the_argument():
         kernels.w16_matmul(jnp.zeros((4, 64), jnp.bfloat16), jnp.zeros((64, 9)))
     with pytest.raises(ValueError, match="`x` must be"):
         kernels.w16_matmul(jnp.zeros((4, 64), jnp.bfloat16), x[:32])
+    q, k, v, table, mask = attention_inputs(np.random.default_rng(0), 4, 2, 8, 1, 1, 4, 2, False)
+    with pytest.raises(ValueError, match="`k_pages` must be"):
+        kernels.attend(q, k[:, :, :4], v, table, mask, 1.0)
+    with pytest.raises(ValueError, match="`v_pages` must be"):
+        kernels.attend(q, k, v[:, :, :2], table, mask, 1.0)
+    with pytest.raises(ValueError, match="`k_pages` must be float32 or uint16"):
+        kernels.attend(q, k.astype(np.float16), v.astype(np.float16), table, mask, 1.0)
+    with pytest.raises(ValueError, match=r"`table` must be \[1, pages per row\]"):
+        kernels.attend(q, k, v, table[0], mask, 1.0)
+    with pytest.raises(ValueError, match="`mask` must be"):
+        kernels.attend(q, k, v, table, mask[..., :4], 1.0)
 
 
 def custom_calls(fn, *args) -> int:

@@ -17,7 +17,8 @@ it runs (AVX512-VNNI, AVX2, portable C++):
   path); XLA:CPU streams such a product at a third of the machine's bandwidth.
 
 Beside them, `rows` copies a table's rows where it lies, for any dtype: XLA:CPU gathers 16-bit
-float rows from a float32 copy of the whole table.
+float rows from a float32 copy of the whole table; and `attend` runs a few queries per row over
+the KV cache's pages where they lie, which XLA gathers into a copy first.
 
 Where the library was not built (no compiler, another platform) or is switched off
 (`JAXLM_NATIVE_KERNELS=0`, read as products are traced), `available()` is false and
@@ -36,6 +37,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The paths of each kernel, from the most portable (the library's `jaxlm::Isa`).
 ISAS = ("portable", "avx2", "avx512_vnni", "avx512_bf16")
@@ -51,6 +53,7 @@ _TARGETS = {
     "jaxlm_w4_matmul": "JaxlmW4Matmul",
     "jaxlm_w16_matmul": "JaxlmW16Matmul",
     "jaxlm_rows": "JaxlmRows",
+    "jaxlm_attend": "JaxlmAttend",
 }
 
 
@@ -231,3 +234,51 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     flat = jnp.asarray(ids, jnp.int32).reshape(-1)
     out = jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype)
     return jax.ffi.ffi_call("jaxlm_rows", out)(table, flat).reshape(*jnp.shape(ids), table.shape[1])
+
+
+def attend(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table: jax.Array,
+    mask: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """`jaxlm.ops.attend` of queries `q` `[heads, D, B, T]` over the pages that `table` `[B, P]`
+    lists for each row, read where they lie: keys `k_pages` `[pages, kv_heads, D, S]` and values
+    `v_pages` `[pages, kv_heads, S, D]`, float32 or bfloat16 stored as uint16
+    (`jaxlm.ops.storage_dtype`), where `mask` `[B, T, P * S]` holds, scores scaled by `scale`:
+    `[heads * D, B, T]` in float32. Every product and sum is in float32; a query that sees no
+    slot gives zeros.
+
+    Example:
+        >>> out = jaxlm.kernels.attend(q, k_pages, v_pages, table, mask, 0.125)
+    """
+    _registered()
+    heads, d, b, t = q.shape
+    if k_pages.ndim != 4 or k_pages.shape[2] != d or heads % k_pages.shape[1]:
+        raise ValueError(
+            f"`k_pages` must be [pages, kv_heads, {d}, size] with kv_heads dividing {heads}, "
+            f"got shape {k_pages.shape}"
+        )
+    n, kv, _, size = k_pages.shape
+    if v_pages.shape != (n, kv, size, d) or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"`v_pages` must be {k_pages.dtype} {(n, kv, size, d)}, got {v_pages.dtype} "
+            f"{v_pages.shape}"
+        )
+    if k_pages.dtype not in (jnp.float32, jnp.uint16):
+        raise ValueError(f"`k_pages` must be float32 or uint16, got {k_pages.dtype}")
+    if table.ndim != 2 or table.shape[0] != b:
+        raise ValueError(f"`table` must be [{b}, pages per row], got shape {table.shape}")
+    if mask.shape != (b, t, table.shape[1] * size):
+        raise ValueError(f"`mask` must be {(b, t, table.shape[1] * size)}, got shape {mask.shape}")
+    out = jax.ShapeDtypeStruct((heads * d, b, t), jnp.float32)
+    return jax.ffi.ffi_call("jaxlm_attend", out)(
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        table.astype(jnp.int32),
+        mask.astype(jnp.bool_),
+        scale=np.float32(scale),
+    )
