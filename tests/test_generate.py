@@ -13,6 +13,7 @@ import transformers
 from conftest import CHATML, make_hf_model
 
 import jaxlm
+from jaxlm import kernels
 from jaxlm.outputs import Detokenizer, Progress, cut_at_stop
 from jaxlm.plans import KEPT_PLANS, request_plan
 
@@ -76,7 +77,10 @@ def slots_scored(hlo: str) -> set[int]:
     return {d[1] * d[4] for d in dims if len(d) == 5} | {d[2] for d in dims if len(d) == 3}
 
 
-def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama):
+def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama, monkeypatch):
+    # XLA's attention, as it runs off one CPU device; the native kernel skips the pages no query
+    # sees itself (`tests/test_kernels.py`).
+    monkeypatch.setenv(kernels.SWITCH, "0")
     model, _ = jaxlm.load(tiny_llama[0])
     plan = jaxlm.plan(model, max_batch=2, max_seq_len=1024, prefill_chunk=10)
     # Scores against the first 256, 512 or all 1024 slots, chosen at run time, and a chunk
@@ -92,7 +96,9 @@ def test_attention_reads_the_filled_part_of_a_large_cache(tiny_llama):
         assert got.token_ids == reference_greedy(model, prompt, 12)
 
 
-def test_given_plan_and_prefill_chunks(tiny_llama):
+def test_given_plan_and_prefill_chunks(tiny_llama, monkeypatch):
+    # XLA's attention, whose scores show in the optimized HLO (the native kernel's do not).
+    monkeypatch.setenv(kernels.SWITCH, "0")
     model, _ = jaxlm.load(tiny_llama[0])
     plan = jaxlm.plan(model, max_batch=4, max_seq_len=40, prefill_chunk=4)
     # The first chunk attends over its own 4 slots, the later ones over all 40.

@@ -239,8 +239,9 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
     ):
         plan = engine.plan
         # Fitting the pages compiles each step once, and the few whose temporaries are the
-        # largest once more, with the fewest pages.
-        assert len(plan.compiled) < compiles.builds <= len(plan.compiled) + 3
+        # largest once more, with the fewest pages: the two prompt chunks of the most tokens
+        # and decode (`jaxlm.batching.plan._probes`), and the zeros the pages start as.
+        assert len(plan.compiled) < compiles.builds <= len(plan.compiled) + 4
         assert plan.total_bytes <= 64 << 20
         # The bill is what the engine allocated (weights and pages) and XLA's temporaries, read
         # here from the executables themselves; one more page would not have fit.

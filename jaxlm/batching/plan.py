@@ -197,8 +197,10 @@ def plan_engine(
 
 def _probes(steps: step.Steps) -> list[step.Shape]:
     """The steps whose temporaries are the largest as a rule: the prompt chunks of the most
-    tokens (the most chunks among them: each attends over its own pages), and decode over
+    tokens (the most chunks among them attend over their own pages, through XLA or natively on
+    a CPU, the widest over its pages laid end to end: either may hold the most), and decode over
     every row (its sampling holds a row of the vocabulary each)."""
     shapes = list(steps.layouts)
-    chunks = max((s for s in shapes if s.width), key=lambda s: (s.chunks * s.width, s.chunks))
-    return [chunks, *(s for s in shapes if not s.width and not s.rows)]
+    most = max(s.chunks * s.width for s in shapes)
+    chunks = [s for s in shapes if s.width and s.chunks * s.width == most]
+    return [*chunks, *(s for s in shapes if not s.width and not s.rows)]

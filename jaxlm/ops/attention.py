@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlm import kernels
 from jaxlm.memory import ScratchSpec
 from jaxlm.ops.backend import platform
 
@@ -198,8 +199,23 @@ def attend_paged(q, cache, table, mask, end, **options):
     work: a plan sized for long requests (`jaxlm serve` allows 4096 tokens) would otherwise
     gather every page of every row at each step (see `docs/performance.md`, "Attention over
     the filled slots").
+
+    On one CPU device, up to `PAGE_BY_PAGE` queries a row without `softcap` run as one native
+    call (`jaxlm.kernels.attend`) over the pages where they lie, skipping those no query sees:
+    XLA copies them out and runs a dozen small operations a layer (`docs/performance.md`,
+    "Attention as one native call").
     """
-    per_seq, size = table.shape[1], cache["k_pages"].shape[-1]
+    k_pages, v_pages = cache["k_pages"], cache["v_pages"]
+    if (
+        q.shape[-1] <= PAGE_BY_PAGE
+        and options.get("softcap") is None
+        and k_pages.dtype in (jnp.float32, jnp.uint16)
+        and kernels.runs_here()
+    ):
+        scale = options.get("scale")
+        scale = q.shape[1] ** -0.5 if scale is None else scale
+        return kernels.attend(q, k_pages, v_pages, table, mask, scale)
+    per_seq, size = table.shape[1], k_pages.shape[-1]
     counts = [*_smaller_buckets(per_seq, -(-FILLED_BUCKET // size)), per_seq]
 
     def branch(count, q, cache, table, mask):
