@@ -442,6 +442,15 @@ def test_kernels_benchmark_runs_every_variant(monkeypatch, capsys):
     assert kernels.isa() == kernels.cpu_isas()[-1]
 
 
+def test_attention_benchmark_runs_every_case(monkeypatch, capsys):
+    monkeypatch.setenv(kernels.SWITCH, "1")
+    bench = load_benchmark("attention")
+    assert bench.main(["--layers", "1", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(bench.CASES), lines
+    assert kernels.available()
+
+
 def test_cpp_sources_are_formatted():
     # Google's style (`csrc/.clang-format`), checked by the `clang-format` of the test extra.
     sources = sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".cc", ".h"))
