@@ -356,8 +356,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="`x` must be"):
         kernels.w16_matmul(jnp.zeros((4, 64), jnp.bfloat16), x[:32])
     q, k, v, table, mask = attention_inputs(np.random.default_rng(0), 4, 2, 8, 1, 1, 4, 2, False)
-    with pytest.raises(ValueError, match="`k_pages` must be"):
-        kernels.attend(q, k[:, :, :4], v, table, mask, 1.0)
+    for pages in (k[:, :, :4], k[:, :0], np.concatenate([k, k[:, :1]], axis=1)):
+        with pytest.raises(ValueError, match="`k_pages` must be"):
+            kernels.attend(q, pages, v, table, mask, 1.0)
     with pytest.raises(ValueError, match="`v_pages` must be"):
         kernels.attend(q, k, v[:, :, :2], table, mask, 1.0)
     with pytest.raises(ValueError, match="`k_pages` must be float32 or uint16"):

@@ -256,7 +256,8 @@ def attend(
     """
     _registered()
     heads, d, b, t = q.shape
-    if k_pages.ndim != 4 or k_pages.shape[2] != d or heads % k_pages.shape[1]:
+    kv = k_pages.shape[1] if k_pages.ndim == 4 else 0
+    if k_pages.ndim != 4 or k_pages.shape[2] != d or kv < 1 or heads % kv:
         raise ValueError(
             f"`k_pages` must be [pages, kv_heads, {d}, size] with kv_heads dividing {heads}, "
             f"got shape {k_pages.shape}"

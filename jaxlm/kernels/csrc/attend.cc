@@ -87,7 +87,9 @@ struct Pages {
                                                           float* buffer) const {
     if (!half) return static_cast<const float*>(data) + at;
     const uint16_t* bits = static_cast<const uint16_t*>(data) + at;
-    for (int64_t i = 0; i < n; ++i) buffer[i] = FromBits(static_cast<int32_t>(bits[i]) << 16);
+    for (int64_t i = 0; i < n; ++i) {
+      buffer[i] = FromBits(static_cast<int32_t>(static_cast<uint32_t>(bits[i]) << 16));
+    }
     return buffer;
   }
 };
@@ -243,11 +245,13 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
                   ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> table, ffi::AnyBuffer mask,
                   ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = table.dimensions();
+  const auto vd = v_pages.dimensions();
   const auto type = k_pages.element_type();
   const bool typed = (type == ffi::DataType::F32 || type == ffi::DataType::U16) &&
                      v_pages.element_type() == type && mask.element_type() == ffi::DataType::PRED;
-  if (!typed || qd.size() != 4 || kd.size() != 4 || td.size() != 2 || kd[2] != qd[1] ||
-      qd[0] % kd[1] != 0 || td[0] != qd[2] ||
+  if (!typed || qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || kd[1] < 1 ||
+      kd[2] != qd[1] || qd[0] % kd[1] != 0 || td[0] != qd[2] || vd[0] != kd[0] || vd[1] != kd[1] ||
+      vd[2] != kd[3] || vd[3] != kd[2] ||
       static_cast<int64_t>(mask.element_count()) != qd[2] * qd[3] * td[1] * kd[3]) {
     return ffi::Error::InvalidArgument(
         "attend: `q` [heads, dim, rows, width], `k_pages` [pages, kv, dim, size] and `v_pages` "
