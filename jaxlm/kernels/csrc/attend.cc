@@ -41,6 +41,7 @@ __attribute__((always_inline)) inline F16x LoadLanes(const float* p, int64_t n) 
   return n == kLanes ? Load(p) : LoadPart(p, n);
 }
 
+// The first `n` lanes of `v` to `p`: one vector store for a full block.
 __attribute__((always_inline)) inline void Store(float* p, F16x v, int64_t n) {
   if (n == kLanes) {
     std::memcpy(p, &v, sizeof v);
@@ -65,7 +66,7 @@ __attribute__((always_inline)) inline float Sum(F16x v) {
 // `2^k exp(r)`, |r| <= ln(2) / 2), where a library call a value would not vectorize.
 __attribute__((always_inline)) inline F16x Exp(F16x x) {
   x = x < -87.0f ? F16x{} - 87.0f : x;
-  const F16x k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // `RoundEven`
+  const F16x k = RoundEven(x * 1.44269504088896341f);
   const F16x r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
   F16x p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;

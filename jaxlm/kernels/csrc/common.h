@@ -35,7 +35,11 @@ inline int64_t RoundUp(int64_t n, int64_t multiple) {
 
 // `std::nearbyint` in the default rounding mode (ties to even) for |v| < 2^22, without a library
 // call, so that loops of it vectorize: adding 1.5 * 2^23 leaves no fraction to keep.
-inline float RoundEven(float v) { return (v + 12582912.0f) - 12582912.0f; }
+// A float, or a vector of them (`attend.cc`'s, lane by lane).
+template <typename T>
+inline T RoundEven(T v) {
+  return (v + 12582912.0f) - 12582912.0f;
+}
 
 // |v| as the bits of its float, which order as the magnitudes do: a maximum over them is a loop
 // the compiler vectorizes, where `std::fmax` is a library call a value. A NaN compares above
