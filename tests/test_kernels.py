@@ -85,6 +85,7 @@ def test_the_reference_rotation_is_the_int8_weights_rotation():
         ((3, 96), 32),
         ((4, 192), 64),
         ((9, 577), 1),
+        ((37, 130), 2),
     ],
 )
 def test_w8_equals_numpy(isa, cols, shape, block):

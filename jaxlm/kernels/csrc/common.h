@@ -82,6 +82,14 @@ inline float HalfToFloat(uint16_t h) {
 }
 
 #ifdef JAXLM_X86
+// acc += `dpbusd`(u, s) (unsigned by signed bytes, four to each 32-bit lane), in place. Around
+// `_mm512_dpbusd_epi32`, GCC 12 moved each accumulator of a tile into another register and back
+// on every product, or kept the tile on the stack; the instruction written out keeps them put.
+__attribute__((target("avx512f,avx512vnni"))) inline void Dpbusd(__m512i& acc, __m512i u,
+                                                                 __m512i s) {
+  asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
+}
+
 // The sum of a vector's eight floats: its halves, then pairs, then the last two.
 __attribute__((target("avx2"))) inline float Sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -213,7 +213,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void StepVnni(
   for (int i = 0; i < NR; ++i) {
     const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + i * in + k), top);
 #pragma GCC unroll 4
-    for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv, xs[j]);
+    for (int j = 0; j < ND; ++j) Dpbusd(acc[i][j], wv, xs[j]);
   }
 }
 
@@ -292,6 +292,154 @@ void SumsVector(const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_
   SumsTiles<Path, Path::kMostRows>(w, in, x, r0, r1, sums);
 }
 
+// Many columns (a prompt chunk), AVX512-VNNI: 16 rows at a time packed as `dpbusd` takes them
+// (four inputs of each row side by side, the 16 rows across a vector, offset by 128), against
+// each digit vector's four inputs broadcast. Every product adds into its own row's lane, so
+// nothing sums across a vector, and the rows' offsets are paid once, not once per tile of
+// digits (`docs/performance.md`, "Native products").
+constexpr int kPanel = 16;
+
+// The columns from which the panels, which pay for their packing, run.
+constexpr int64_t kPanelColumns = 24;
+
+// Rows [0, rows) (rows <= 16) of `w` [rows, in] into `panel`: inputs 4g..4g+3 at 64 * g. The
+// rows' 64-byte runs are transposed as 16 x 16 words in registers (a gather of the words took
+// most of the time at 16 columns). Inputs past `in` meet zero digits and rows past `rows` are
+// never stored, so both may hold any byte.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void PackPanel(const int8_t* w, int64_t in,
+                                                                      int64_t rows,
+                                                                      uint8_t* panel) {
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t groups = (in + 3) / 4;
+  for (int64_t k = 0; k < in; k += 64) {
+    const __mmask64 mask = in - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (in - k)) - 1;
+    __m512i v[kPanel];
+#pragma GCC unroll 16
+    for (int i = 0; i < kPanel; ++i) {
+      v[i] = i < rows ? _mm512_maskz_loadu_epi8(mask, w + i * in + k) : _mm512_setzero_si512();
+    }
+    // Within each 128-bit lane L, four rows at a time: v[4s + j] then holds word 4L + j of rows
+    // 4s..4s+3 in lane L.
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      __m512i* q = v + 4 * s;
+      const __m512i ab_lo = _mm512_unpacklo_epi32(q[0], q[1]);
+      const __m512i ab_hi = _mm512_unpackhi_epi32(q[0], q[1]);
+      const __m512i cd_lo = _mm512_unpacklo_epi32(q[2], q[3]);
+      const __m512i cd_hi = _mm512_unpackhi_epi32(q[2], q[3]);
+      q[0] = _mm512_unpacklo_epi64(ab_lo, cd_lo);
+      q[1] = _mm512_unpackhi_epi64(ab_lo, cd_lo);
+      q[2] = _mm512_unpacklo_epi64(ab_hi, cd_hi);
+      q[3] = _mm512_unpackhi_epi64(ab_hi, cd_hi);
+    }
+    // Then the lanes across the four sets of rows: word 4L + j of every row, in row order.
+    const int64_t first = k / 4, count = std::min<int64_t>(16, groups - first);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i x0 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i x1 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512i x2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i x3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512i words[4] = {_mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1)),
+                                _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1))};
+#pragma GCC unroll 4
+      for (int lane = 0; lane < 4; ++lane) {
+        const int64_t g = 4 * lane + j;
+        if (g < count) {
+          _mm512_storeu_si512(panel + 64 * (first + g), _mm512_xor_si512(words[lane], top));
+        }
+      }
+    }
+  }
+}
+
+// NP panels of `groups` groups against the digit vectors [j0, j0 + ND) (ND even, so that a
+// column's two digits meet in one tile), rescaled as `W8Matmul` rescales the rows' sums, into
+// `out` [rows][cols].
+template <int NP, int ND>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelTile(
+    const uint8_t* panels, int64_t groups, const Digits& x, int64_t j0, const float* scale,
+    int64_t rows, int64_t cols, float* out) {
+  __m512i acc[NP][ND];
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 12
+    for (int j = 0; j < ND; ++j) acc[p][j] = _mm512_setzero_si512();
+  const int8_t* digits = x.values.data() + j0 * x.stride;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(panels + (p * groups + g) * 64);
+#pragma GCC unroll 12
+    for (int j = 0; j < ND; ++j) {
+      int32_t word;
+      std::memcpy(&word, digits + j * x.stride + 4 * g, sizeof word);
+      const __m512i xs = _mm512_set1_epi32(word);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) Dpbusd(acc[p][j], wv[p], xs);
+    }
+  }
+  alignas(64) float lanes[kPanel];
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p) {
+    const int64_t live = std::min<int64_t>(kPanel, rows - p * kPanel);
+    const __m512 s =
+        _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live) - 1), scale + p * kPanel);
+#pragma GCC unroll 12
+    for (int j = 0; j < ND; j += 2) {
+      const int64_t c = (j0 + j) / 2;
+      const float step = x.steps[c];
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_sub_epi32(acc[p][j], _mm512_set1_epi32(128 * x.totals[j0 + j])));
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_sub_epi32(acc[p][j + 1], _mm512_set1_epi32(128 * x.totals[j0 + j + 1])));
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(step)),
+                                     _mm512_mul_ps(lo, _mm512_set1_ps(step / kDigit)));
+      _mm512_store_ps(lanes, _mm512_mul_ps(v, s));
+      for (int64_t i = 0; i < live; ++i) out[(p * kPanel + i) * cols + c] = lanes[i];
+    }
+  }
+}
+
+// NP panels against every digit vector, eight at a time (four columns).
+template <int NP>
+void PanelColumns(const uint8_t* panels, int64_t groups, const Digits& x, const float* scale,
+                  int64_t rows, int64_t cols, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= x.count; j += 8) PanelTile<NP, 8>(panels, groups, x, j, scale, rows, cols, out);
+  switch (x.count - j) {
+    case 6:
+      PanelTile<NP, 6>(panels, groups, x, j, scale, rows, cols, out);
+      break;
+    case 4:
+      PanelTile<NP, 4>(panels, groups, x, j, scale, rows, cols, out);
+      break;
+    case 2:
+      PanelTile<NP, 2>(panels, groups, x, j, scale, rows, cols, out);
+      break;
+  }
+}
+
+// Rows [r0, r1) of `w` against every column, two panels packed at a time while they stay in
+// the cache, into `out` [rows][cols].
+void PanelRows(const int8_t* w, int64_t in, const Digits& x, const float* scale, int64_t r0,
+               int64_t r1, int64_t cols, float* out) {
+  const int64_t groups = (in + 3) / 4;
+  std::vector<uint8_t> panels(2 * groups * 64);
+  for (int64_t r = r0; r < r1; r += 2 * kPanel) {
+    const int64_t n = std::min<int64_t>(2 * kPanel, r1 - r);
+    PackPanel(w + r * in, in, std::min<int64_t>(kPanel, n), panels.data());
+    if (n > kPanel) {
+      PackPanel(w + (r + kPanel) * in, in, n - kPanel, panels.data() + groups * 64);
+      PanelColumns<2>(panels.data(), groups, x, scale + r, n, cols, out + r * cols);
+    } else {
+      PanelColumns<1>(panels.data(), groups, x, scale + r, n, cols, out + r * cols);
+    }
+  }
+}
+
 #endif  // JAXLM_X86
 
 void Sums(Isa isa, const int8_t* w, int64_t in, const Digits& x, int64_t r0, int64_t r1,
@@ -326,6 +474,13 @@ ffi::Error W8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ff
   const int8_t* w = q.typed_data();
   const float* s = scale.typed_data();
   float* out = y->typed_data();
+#ifdef JAXLM_X86
+  if (isa >= kAvx512Vnni && cols >= kPanelColumns) {
+    ParallelRows(pool, rows, RowGrain(pool, rows, 2 * kPanel),
+                 [&](int64_t r0, int64_t r1) { PanelRows(w, in, digits, s, r0, r1, cols, out); });
+    return ffi::Error::Success();
+  }
+#endif
   ParallelRows(pool, rows, RowGrain(pool, rows, 4), [&](int64_t r0, int64_t r1) {
     std::vector<int32_t> sums((r1 - r0) * digits.count);
     Sums(isa, w, in, digits, r0, r1, sums.data());
