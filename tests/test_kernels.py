@@ -24,9 +24,10 @@ from jaxlm.kernels import int4
 
 CSRC = Path(kernels.__file__).parent / "csrc"
 COLUMNS = (1, 2, 3, 8, 64)
-# The 4-bit product's rows and, from 36 columns on, its panels take columns four at a time, then
-# the 3, 2 or 1 left.
-W4_COLUMNS = (*COLUMNS, 17, 37, 38, 39)
+# From 24 columns on, the AVX512-VNNI paths multiply panels of 16 rows; the panels and the 4-bit
+# rows take columns four at a time, then the 3, 2 or 1 left.
+PANEL_COLUMNS = (*COLUMNS, 25, 26, 27)
+W4_COLUMNS = (*PANEL_COLUMNS, 17)
 # Every path of the kernels this CPU runs; the library is built by `pip install`.
 ISAS = kernels.cpu_isas()
 
@@ -74,7 +75,7 @@ def test_the_reference_rotation_is_the_int8_weights_rotation():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("cols", COLUMNS)
+@pytest.mark.parametrize("cols", PANEL_COLUMNS)
 @pytest.mark.parametrize(
     "shape, block",
     [
@@ -120,7 +121,7 @@ def w4_reference(packed: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.nd
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cols", W4_COLUMNS)
-# Rows past whole panels of 16 (the AVX512-VNNI path from 36 columns on) and past pairs of rows
+# Rows past whole panels of 16 (the AVX512-VNNI path from 24 columns on) and past pairs of rows
 # (below) among them, and rows of 0 to 3 blocks past whole super-blocks (the vector paths' four
 # blocks at a time).
 @pytest.mark.parametrize(

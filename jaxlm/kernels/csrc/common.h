@@ -90,6 +90,53 @@ __attribute__((target("avx512f,avx512vnni"))) inline void Dpbusd(__m512i& acc, _
   asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
 }
 
+// Sixteen rows of sixteen 32-bit words (row i in v[i]) transposed in registers: afterwards v[j]
+// holds word j of every row, row i in lane i. The kernels' panels are packed this way; a gather
+// of the words ran several times slower on AVX512 CPUs without fast gathers (Zen 4).
+__attribute__((target("avx512f"))) inline void TransposeWords(__m512i (&v)[16]) {
+  // Within each 128-bit lane L, four rows at a time: v[4s + j] then holds word 4L + j of rows
+  // 4s..4s+3 in lane L.
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    __m512i* q = v + 4 * s;
+    const __m512i ab_lo = _mm512_unpacklo_epi32(q[0], q[1]);
+    const __m512i ab_hi = _mm512_unpackhi_epi32(q[0], q[1]);
+    const __m512i cd_lo = _mm512_unpacklo_epi32(q[2], q[3]);
+    const __m512i cd_hi = _mm512_unpackhi_epi32(q[2], q[3]);
+    q[0] = _mm512_unpacklo_epi64(ab_lo, cd_lo);
+    q[1] = _mm512_unpackhi_epi64(ab_lo, cd_lo);
+    q[2] = _mm512_unpacklo_epi64(ab_hi, cd_hi);
+    q[3] = _mm512_unpackhi_epi64(ab_hi, cd_hi);
+  }
+  // Then the lanes across the four sets of rows.
+  __m512i t[16];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x0 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i x1 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i x2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i x3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    t[j] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + j] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + j] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + j] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+
+// Row i's `n` bytes at `w + i * stride` for rows [0, rows) (rows <= 16), in v[i]; zeros past them.
+__attribute__((target("avx512f,avx512bw"))) inline void LoadRows(const void* w, int64_t stride,
+                                                                 int64_t rows, int64_t n,
+                                                                 __m512i (&v)[16]) {
+  const __mmask64 mask = n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    v[i] = i < rows ? _mm512_maskz_loadu_epi8(mask, static_cast<const char*>(w) + i * stride)
+                    : _mm512_setzero_si512();
+  }
+}
+
 // The sum of a vector's eight floats: its halves, then pairs, then the last two.
 __attribute__((target("avx2"))) inline float Sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

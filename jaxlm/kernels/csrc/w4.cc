@@ -22,7 +22,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 4;
 // From this many columns on, the AVX512-VNNI path multiplies panels of rows (`RowsPanels`), whose
 // packing costs more than it saves on fewer columns.
-constexpr int64_t kPanelColumns = 36;
+constexpr int64_t kPanelColumns = 24;
 // Columns rounded by one thread at least: a few are rounded in less time than a thread takes
 // to start.
 constexpr int64_t kRoundColumns = 16;
@@ -265,29 +265,37 @@ struct Panel {
   float* m;
 };
 
-// The panel of rows [0, rows) (rows <= 16) of `blocks` blocks each; rows past `rows` hold 0.
+// The panel of rows [0, rows) (rows <= 16) of `blocks` blocks each, four blocks' nibbles and
+// sixteen blocks' scales of the rows at a time transposed in registers (`TransposeWords`); rows
+// past `rows` hold 0.
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void PackPanel(
     const uint8_t* w, const uint16_t* dm, int64_t blocks, int64_t rows, Panel panel) {
   const __m512i low = _mm512_set1_epi8(0x0f);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i row_bytes = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(16 * blocks));
-  const __m512i row_scales = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(4 * blocks));
-  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t b = 0; b < blocks; ++b) {
-    // Byte i of a block holds input i in its low nibble and input i + 16 in its high one.
-    for (int g = 0; g < 4; ++g) {
-      const __m512i words =
-          _mm512_mask_i32gather_epi32(zero, live, row_bytes, w + 16 * b + 4 * g, 1);
-      _mm512_storeu_si512(panel.values + 64 * (8 * b + g), _mm512_and_si512(words, low));
-      _mm512_storeu_si512(panel.values + 64 * (8 * b + 4 + g),
-                          _mm512_and_si512(_mm512_srli_epi16(words, 4), low));
+  __m512i v[16];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+    // Word 4i + g of four blocks' 64 bytes is block b0 + i's inputs 4g..4g+3 in its low
+    // nibbles and 16 + 4g.. in its high ones.
+    LoadRows(w + 16 * b0, 16 * blocks, rows, 16 * (blocks - b0), v);
+    TransposeWords(v);
+    for (int64_t b = b0; b < std::min(blocks, b0 + 4); ++b) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i words = v[4 * (b - b0) + g];
+        _mm512_storeu_si512(panel.values + 64 * (8 * b + g), _mm512_and_si512(words, low));
+        _mm512_storeu_si512(panel.values + 64 * (8 * b + 4 + g),
+                            _mm512_and_si512(_mm512_srli_epi16(words, 4), low));
+      }
     }
+  }
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
     // The scale and the minimum of a block are one 32-bit word.
-    const __m512i pairs = _mm512_mask_i32gather_epi32(zero, live, row_scales, dm + 2 * b, 1);
-    _mm512_storeu_ps(panel.d + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs)));
-    _mm512_storeu_ps(panel.m + 16 * b,
-                     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16))));
+    LoadRows(dm + 2 * b0, 4 * blocks, rows, 4 * (blocks - b0), v);
+    TransposeWords(v);
+    for (int64_t b = b0; b < std::min(blocks, b0 + 16); ++b) {
+      const __m512i pairs = v[b - b0];
+      _mm512_storeu_ps(panel.d + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs)));
+      _mm512_storeu_ps(panel.m + 16 * b,
+                       _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16))));
+    }
   }
 }
 

@@ -302,55 +302,21 @@ constexpr int kPanel = 16;
 // The columns from which the panels, which pay for their packing, run.
 constexpr int64_t kPanelColumns = 24;
 
-// Rows [0, rows) (rows <= 16) of `w` [rows, in] into `panel`: inputs 4g..4g+3 at 64 * g. The
-// rows' 64-byte runs are transposed as 16 x 16 words in registers (a gather of the words took
-// most of the time at 16 columns). Inputs past `in` meet zero digits and rows past `rows` are
-// never stored, so both may hold any byte.
+// Rows [0, rows) (rows <= 16) of `w` [rows, in] into `panel`: inputs 4g..4g+3 at 64 * g, each
+// 64 inputs of the rows transposed in registers (`TransposeWords`). Inputs past `in` meet zero
+// digits and rows past `rows` are never stored, so both may hold any byte.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PackPanel(const int8_t* w, int64_t in,
                                                                       int64_t rows,
                                                                       uint8_t* panel) {
   const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t groups = (in + 3) / 4;
   for (int64_t k = 0; k < in; k += 64) {
-    const __mmask64 mask = in - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (in - k)) - 1;
-    __m512i v[kPanel];
-#pragma GCC unroll 16
-    for (int i = 0; i < kPanel; ++i) {
-      v[i] = i < rows ? _mm512_maskz_loadu_epi8(mask, w + i * in + k) : _mm512_setzero_si512();
-    }
-    // Within each 128-bit lane L, four rows at a time: v[4s + j] then holds word 4L + j of rows
-    // 4s..4s+3 in lane L.
-#pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {
-      __m512i* q = v + 4 * s;
-      const __m512i ab_lo = _mm512_unpacklo_epi32(q[0], q[1]);
-      const __m512i ab_hi = _mm512_unpackhi_epi32(q[0], q[1]);
-      const __m512i cd_lo = _mm512_unpacklo_epi32(q[2], q[3]);
-      const __m512i cd_hi = _mm512_unpackhi_epi32(q[2], q[3]);
-      q[0] = _mm512_unpacklo_epi64(ab_lo, cd_lo);
-      q[1] = _mm512_unpackhi_epi64(ab_lo, cd_lo);
-      q[2] = _mm512_unpacklo_epi64(ab_hi, cd_hi);
-      q[3] = _mm512_unpackhi_epi64(ab_hi, cd_hi);
-    }
-    // Then the lanes across the four sets of rows: word 4L + j of every row, in row order.
+    __m512i v[16];
+    LoadRows(w + k, in, rows, in - k, v);
+    TransposeWords(v);
     const int64_t first = k / 4, count = std::min<int64_t>(16, groups - first);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i x0 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512i x1 = _mm512_shuffle_i32x4(v[j], v[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
-      const __m512i x2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512i x3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
-      const __m512i words[4] = {_mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1)),
-                                _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1))};
-#pragma GCC unroll 4
-      for (int lane = 0; lane < 4; ++lane) {
-        const int64_t g = 4 * lane + j;
-        if (g < count) {
-          _mm512_storeu_si512(panel + 64 * (first + g), _mm512_xor_si512(words[lane], top));
-        }
-      }
+    for (int64_t g = 0; g < count; ++g) {
+      _mm512_storeu_si512(panel + 64 * (first + g), _mm512_xor_si512(v[g], top));
     }
   }
 }
