@@ -160,7 +160,7 @@ def attend(
     dtype = k.dtype if t > 1 else jnp.float32
     f32 = jnp.float32
     scores = jnp.einsum("bpnqd,bpnds->bpnqs", q.astype(dtype), k, preferred_element_type=f32)
-    scores = scores * (d**-0.5 if scale is None else scale)
+    scores = scores * _score_scale(d, scale)
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     mask = mask.reshape(b, t, pages, size).transpose(0, 2, 1, 3)[:, :, None, None]
@@ -173,6 +173,11 @@ def attend(
 
 # The fewest slots of a row's pages that `attend_paged` reads.
 FILLED_BUCKET = 256
+
+
+def _score_scale(d: int, scale: float | None) -> float:
+    """What `attend` scales the scores by: `scale`, or `D ** -0.5` without it."""
+    return d**-0.5 if scale is None else scale
 
 
 def _smaller_buckets(total: int, first: int) -> list[int]:
@@ -212,8 +217,7 @@ def attend_paged(q, cache, table, mask, end, **options):
         and k_pages.dtype in (jnp.float32, jnp.uint16)
         and kernels.runs_here()
     ):
-        scale = options.get("scale")
-        scale = q.shape[1] ** -0.5 if scale is None else scale
+        scale = _score_scale(q.shape[1], options.get("scale"))
         return kernels.attend(q, k_pages, v_pages, table, mask, scale)
     per_seq, size = table.shape[1], k_pages.shape[-1]
     counts = [*_smaller_buckets(per_seq, -(-FILLED_BUCKET // size)), per_seq]
