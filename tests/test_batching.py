@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxlm.batching import PagePool, QueueFullError, Scheduler, Status
+from jaxlm.batching import Batch, PagePool, QueueFullError, Scheduler, ShardedScheduler, Status
 from jaxlm.batching.pages import PADDING_PAGE, OutOfPagesError, page_key
 
 VOCAB = 50
@@ -303,3 +303,75 @@ def test_each_full_page_is_hashed_and_published_once(monkeypatch):
     # longest sequence finds all of its full pages.
     longest = seqs[1].tokens[:-1]
     assert len(pool.match_prefix([*longest, 0])) == len(longest) // page_size
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=requests_strategy,
+    arrivals=st.lists(st.integers(0, 12), min_size=10, max_size=10),
+    num_pages=st.integers(5, 16),
+    page_size=st.sampled_from([1, 2, 4]),
+    extra_tokens=st.integers(0, 12),
+    prefix_cache=st.booleans(),
+    chunk_shapes=st.sampled_from([None, {2: 4, 4: 2, 8: 1}, {3: 3, 5: 1}]),
+)
+def test_shards_of_data_run_their_own_sequences_on_their_own_pages(
+    requests, arrivals, num_pages, page_size, extra_tokens, prefix_cache, chunk_shapes
+):
+    # Two shards of two slots, each with a pool and a fake step of its own: a page of one
+    # shard's pool handed to a sequence of the other reads back the other's tokens.
+    pools = [PagePool(num_pages, page_size, prefix_cache=prefix_cache) for _ in range(2)]
+    scheduler = ShardedScheduler(
+        pools, max_num_seqs=4, max_num_batched_tokens=2 + extra_tokens, chunk_shapes=chunk_shapes
+    )
+    steps = [FakeStep(pool) for pool in pools]
+    fits = [(p, n) for p, n in requests if len(p) + n - 1 <= (num_pages - 1) * page_size]
+    pending = sorted(zip(arrivals, range(len(fits)), fits, strict=False))
+    seqs = {}
+    for t in range(10_000):
+        while pending and pending[0][0] <= t:
+            _, i, (prompt, new) = pending.pop(0)
+            seqs[i] = scheduler.submit(prompt, new)
+        if not scheduler.has_work() and not pending:
+            break
+        batch = scheduler.schedule()
+        sampled, stop = {}, {}
+        several = [len(c.tokens) for c in batch.chunks if len(c.tokens) > 1]
+        for d, step in enumerate(steps):
+            chunks = tuple(c for c in batch.chunks if c.seq.shard == d)
+            assert all(c.seq.slot in (0, 1) for c in chunks)
+            assert sum(len(c.tokens) for c in chunks) <= 2 + extra_tokens
+            if chunk_shapes and several:
+                # Every shard's chunks fit one shape of the width they all pad to.
+                width = min(w for w in chunk_shapes if w >= max(several))
+                assert sum(len(c.tokens) > 1 for c in chunks) <= chunk_shapes[width]
+            for out, value in zip((sampled, stop), step(Batch(chunks)), strict=True):
+                out.update(value)
+        scheduler.update(batch, sampled, stop)
+    else:
+        raise AssertionError("the requests did not finish")
+    for i, (prompt, new) in enumerate(fits):
+        assert seqs[i].status is Status.FINISHED
+        assert seqs[i].output == solo(prompt, new), (i, seqs[i])
+    assert [pool.num_in_use for pool in pools] == [0, 0]
+
+
+def test_shards_of_data_take_the_queue_in_turns():
+    pools = [PagePool(9, 4), PagePool(9, 4)]
+    scheduler = ShardedScheduler(pools, max_num_seqs=4, max_num_batched_tokens=16)
+    seqs = [scheduler.submit([1, 2, i], 4) for i in range(5)]
+    batch = scheduler.schedule()
+    # Four slots on two shards: two sequences each, numbered from each shard's own slot 0,
+    # and the fifth waits.
+    assert sorted((c.seq.shard, c.seq.slot) for c in batch.chunks) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    assert list(scheduler.waiting) == [seqs[4]]
+    scheduler.cancel(seqs[4])
+    running = [c.seq for c in batch.chunks]
+    scheduler.cancel(running[-1])
+    assert running[-1].status is Status.FINISHED and not scheduler.waiting
+    assert sum(len(s.running) for s in scheduler.shards) == 3

@@ -1,7 +1,8 @@
-"""Continuous batching over a paged KV cache: the page pool, the scheduler and the engine."""
+"""Continuous batching over a paged KV cache: the page pool, the schedulers and the engine."""
 
 from jaxlm.batching.pages import OutOfPagesError, PagePool
 from jaxlm.batching.scheduler import Batch, Chunk, QueueFullError, Scheduler, SequenceState, Status
+from jaxlm.batching.shards import ShardedScheduler
 
 __all__ = [
     "Batch",
@@ -11,5 +12,6 @@ __all__ = [
     "QueueFullError",
     "Scheduler",
     "SequenceState",
+    "ShardedScheduler",
     "Status",
 ]

@@ -58,6 +58,8 @@ class SequenceState:
     output: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None
+    # The shard of a mesh's `data` axis whose slots and pages it runs on (`ShardedScheduler`).
+    shard: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     # Tokens whose keys and values are in the pages (computed or shared from the cache).
     num_computed: int = 0
@@ -120,6 +122,8 @@ class Batch:
     # The decode steps to run back to back (a batch of decode chunks alone), each feeding the
     # token the last sampled; every sequence has pages for all of them.
     steps: int = 1
+    # The width of its chunks of several tokens (with `chunk_shapes`).
+    width: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +153,12 @@ class Scheduler:
         max_queue: int = 1024,
         max_prefill_chunks: int | None = None,
         chunk_shapes: Mapping[int, int] | None = None,
+        shard: int = 0,
+        queue: Scheduler | None = None,
     ):
+        """`shard` and `queue` make the scheduler of one shard of a mesh's `data` axis
+        (`ShardedScheduler`): it admits from the queue of the scheduler `queue` and numbers its
+        sequences with it."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 "`max_num_seqs` must be positive and `max_num_batched_tokens` at least "
@@ -162,12 +171,15 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_prefill_chunks = max_prefill_chunks
         self.chunk_shapes = dict(sorted(chunk_shapes.items())) if chunk_shapes else None
-        self.waiting: collections.deque[SequenceState] = collections.deque()
+        self.shard = shard
+        self.waiting: collections.deque[SequenceState] = (
+            collections.deque() if queue is None else queue.waiting
+        )
         self.running: list[SequenceState] = []
         # A heap: a sequence takes the lowest free slot, so that a few running sequences hold
         # the first rows and run the engine's narrow decode step (`Steps.narrow`).
         self._free_slots = list(range(max_num_seqs))
-        self._ids = itertools.count()
+        self._ids = itertools.count() if queue is None else queue._ids
         # Totals since the start: prompt tokens taken from the prefix cache, preemptions.
         self.cached_tokens = 0
         self.preemptions = 0
@@ -254,14 +266,15 @@ class Scheduler:
         seq.pages, seq.num_cached, seq.num_computed = cached, start, start
         seq.published = len(cached)
         self.cached_tokens += start
-        seq.slot = heapq.heappop(self._free_slots)
+        seq.slot, seq.shard = heapq.heappop(self._free_slots), self.shard
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
 
-    def schedule(self, max_steps: int = 1, spare: int = 0) -> Batch:
+    def schedule(self, max_steps: int = 1, spare: int = 0, width: int | None = None) -> Batch:
         """The next step's chunks. Sequences preempted because pages ran out are listed in the
-        batch (`preempted`); they are back in the queue, to be computed again.
+        batch (`preempted`); they are back in the queue, to be computed again. `width` is that
+        of the step's prompt chunks, where another shard's chunks have set it.
 
         A batch of decode chunks alone runs up to `max_steps` steps (`Batch.steps`): no more
         than any of its sequences has left, and only as many as the free pages allow without
@@ -285,7 +298,7 @@ class Scheduler:
         prefilling = sorted((s for s in self.running if s.prefilling), key=lambda s: s.id)
         # The width of the step's chunks, set by its first of several tokens, and the keys of
         # the pages its chunks fill, which a prompt admitted after them would compute again.
-        width, prefills, computing = None, 0, set()
+        prefills, computing = 0, set()
         while budget > 0:
             room = self._room(width, prefills)
             cap = min(budget, room or budget)
@@ -315,7 +328,7 @@ class Scheduler:
                 computing.update(seq.keys[seq.num_computed // size : end // size])
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
         steps = self._steps(chunks, max_steps, spare) if len(chunks) == decodes else 1
-        return Batch(tuple(chunks), tuple(self._preempted), steps)
+        return Batch(tuple(chunks), tuple(self._preempted), steps, width if prefills else None)
 
     def _room(self, width: int | None, prefills: int) -> int:
         """The most tokens the step's next chunk may hold, given the width of its chunks of
