@@ -389,8 +389,10 @@ def _serve(args) -> None:
     max_seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 4096)
     num_pages = args.num_pages
     if num_pages is None and args.budget is None:
-        # Room for every sequence at its longest, so none is ever preempted.
-        num_pages = 1 + args.max_num_seqs * -(-max_seq_len // args.page_size)
+        # Room for every sequence at its longest, so none is ever preempted, and a padding page
+        # for each shard of the mesh's `data` axis.
+        shards = args.mesh[0] if args.mesh else 1
+        num_pages = shards + args.max_num_seqs * -(-max_seq_len // args.page_size)
     name = args.served_model_name or Path(args.model or default_model_path()).stem
     # The event loop's thread holds the GIL between requests' events; the engine's thread,
     # back from XLA, waits up to the switch interval for it (`docs/performance.md`, "The

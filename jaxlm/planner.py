@@ -318,7 +318,8 @@ def plan(
     engine's step compiled for each prompt chunk width up to `max_num_batched_tokens` (256),
     decoding `decode_steps` (4) tokens per call, and with `speculative="ngram"` the decode
     step that verifies `num_speculative_tokens` (3) drafted tokens at a time. Its bill is read
-    from those executables too.
+    from those executables too. On a mesh, each shard of `data` runs its own slots over its own
+    pages: `max_num_seqs` and `num_pages` must be multiples of `data`.
 
         >>> plan = jaxlm.plan(model, max_num_seqs=8, budget="2GiB")
         >>> plan.num_pages, plan.total_bytes     # fitted before any allocation

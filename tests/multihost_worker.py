@@ -32,8 +32,9 @@ PREFILL_CHUNK = 16
 STREAM_CHUNK = 5
 # Seconds without heartbeats after which JAX's coordination service declares a process dead.
 HEARTBEAT_TIMEOUT = 10
-# The engine's layout, sizes and requests: more requests than slots, so that some join while
-# others run, and prompts of several chunks.
+# The engine's sizes and requests, on every layout (its slots split over `data`): more requests
+# than slots, so that some join while others run, and prompts of several chunks. `jaxlm serve`
+# runs on the layout named.
 ENGINE_LAYOUT = "model across processes"
 ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=48, max_num_batched_tokens=16)
 ENGINE_TOKENS = [12, 5, 9, 12, 7, 3, 10, 6]
@@ -135,8 +136,7 @@ def main(path: str, out_file: str, processes: int, process_id: int, port: int) -
     results = {}
     for name, shape in LAYOUTS.items():
         results[name], model, tokenizer, plan = _layout(path, shape)
-        if name == ENGINE_LAYOUT:
-            results[name]["engine"] = _engine(model, tokenizer)
+        results[name]["engine"] = _engine(model, tokenizer)
     if processes == 1:
         model, tokenizer = jaxlm.load(path, progress=False)
         out = jaxlm.generate(

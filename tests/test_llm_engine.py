@@ -73,7 +73,7 @@ def test_requests_from_threads_equal_their_solo_runs_and_compile_nothing(tiny):
         assert compiles.builds == 0
         assert [r.token_ids for r in results] == expected
         assert all(r.finish_reason == "length" for r in results)
-        assert e.pool.num_in_use == 0
+        assert e.pools[0].num_in_use == 0
         stats = e.stats()
         assert (stats.running, stats.waiting, stats.pages_in_use, stats.finished) == (0, 0, 0, 16)
         assert stats.generated_tokens == sum(n for _, n in reqs)
@@ -83,8 +83,8 @@ def test_requests_from_threads_equal_their_solo_runs_and_compile_nothing(tiny):
             sum(len(p) for p, _ in reqs),
         )
         assert covered == prompts if stats.preemptions == 0 else covered >= prompts
-        e.pool.clear_cache()
-        assert e.pool.num_available == e.pool.num_usable
+        e.pools[0].clear_cache()
+        assert e.pools[0].num_available == e.pools[0].num_usable
 
         # Short prompts queued while a step runs start together: two chunks of 16 in one step.
         short = [(r, want) for r, want in zip(reqs, expected, strict=True) if len(r[0]) <= 16]
@@ -124,7 +124,7 @@ def test_too_few_pages_preempt_and_every_output_stays_exact(tiny, small_buckets)
     with LLMEngine(tiny, max_num_seqs=3, page_size=4, num_pages=33, max_num_batched_tokens=16) as e:
         handles = [e.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in reqs]
         results = [h.result(timeout=300) for h in handles]
-        assert e.pool.num_in_use == 0
+        assert e.pools[0].num_in_use == 0
     assert sum(h.seq.preemptions for h in handles) > 0
     assert [r.token_ids for r in results] == expected
 
@@ -150,7 +150,7 @@ def test_several_decode_steps_per_call_stop_where_each_request_stops(tiny):
             handles = [e.submit(r["prompt"], **r["kw"]) for r in reqs]
             results = [h.result(timeout=300) for h in handles]
             stats = e.stats()
-            assert e.pool.num_in_use == 0
+            assert e.pools[0].num_in_use == 0
             # One request alone: a call for its prompt, then one per `steps` tokens.
             e.generate([[1, 2, 3]], max_new_tokens=17, stop_token_ids=[])
             assert e.stats().calls - stats.calls == 1 + 16 // steps
@@ -251,7 +251,7 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
         assert pages == plan.scratch_bytes and weights == plan.weights_bytes
         assert abs(plan.total_bytes - (weights + pages + temp)) <= 0.02 * plan.total_bytes
         assert plan.total_bytes + pages // plan.num_pages > 64 << 20
-        assert engine.pool.num_pages * 4 >= 2 * tiny.config.max_position_embeddings
+        assert engine.pools[0].num_pages * 4 >= 2 * tiny.config.max_position_embeddings
         with pytest.raises(ValueError, match="`max_position_embeddings=128`"):
             engine.submit([1] * 100, max_new_tokens=40)
         with pytest.raises(ValueError, match="`temperature`"):
@@ -390,7 +390,7 @@ def test_a_cancelled_request_ends_and_gives_its_pages_back(tiny):
         assert other.result(timeout=60).token_ids == solo(tiny, [4, 5], 6)
         while engine.scheduler.has_work():
             time.sleep(0.01)
-        assert engine.pool.num_in_use == 0
+        assert engine.pools[0].num_in_use == 0
 
 
 def soak_requests(seed: int, n: int, vocab: int) -> list[dict]:
@@ -471,7 +471,7 @@ def test_a_soak_of_500_requests_leaves_pages_and_arrays_as_they_were(tiny):
         # At most as many: an earlier test's arrays may be freed meanwhile, never ours kept.
         assert len(jax.live_arrays()) <= arrays
         stats = e.stats()
-        e.pool.clear_cache()
+        e.pools[0].clear_cache()
         cleared = e.stats()
     for request, handle, result in zip(reqs, handles, results, strict=True):
         expected = expected_tokens(tiny, request)

@@ -5,7 +5,8 @@ with a free port and JAX's gloo CPU collectives, then use two `(data, model)` me
 6 devices, process 0's first:
 
 - `(2, 3)`: each row of the mesh is one process, so the batch splits across the processes and
-  tensor parallelism stays inside each; the generated tokens are gathered across processes.
+  tensor parallelism stays inside each; the generated tokens are gathered across processes, and
+  the engine's slots and pages split across them.
 - `(1, 6)`: each process holds a `(1, 3)` block of the `model` axis, which spans both, so the
   model-parallel collectives go from process to process: the reductions after the row-parallel
   o and down projections, and the gathers of the vocabulary split over the LM head (the model
@@ -212,16 +213,18 @@ def test_a_budget_picks_the_single_host_max_seq_len(runs, layout):
         assert seen["budget_max_seq_len"] == MAX_SEQ_LEN, f"process {i}"
 
 
-def test_the_engine_runs_the_same_requests_on_both_processes(runs):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_engine_runs_the_same_requests_on_both_processes(runs, layout):
     # Process 0 serves eight requests and cancels a ninth; process 1 follows. Each runs them
-    # as one process with the whole mesh does, and as the model on one device does.
+    # as one process with the whole mesh does, and as the model on one device does; with `data`
+    # across the processes, each process holds the pages of its own slots.
     results, _ = runs
-    reference = results["reference"][ENGINE_LAYOUT]["engine"]
+    reference = results["reference"][layout]["engine"]
     assert reference == results["reference"]["one device"]["engine"]
     assert [len(ids) for ids in reference["token_ids"]] == ENGINE_TOKENS
     assert reference["pages_in_use"] == 0
-    leader = results["process 0"][ENGINE_LAYOUT]["engine"]
-    follower = results["process 1"][ENGINE_LAYOUT]["engine"]
+    leader = results["process 0"][layout]["engine"]
+    follower = results["process 1"][layout]["engine"]
     assert leader["token_ids"] == reference["token_ids"]
     # The follower hands out its requests as they finish.
     assert sorted(follower["token_ids"]) == sorted(reference["token_ids"])

@@ -87,7 +87,7 @@ def test_eight_requests_give_the_same_tokens_with_drafts_as_without(engine, samp
     assert sum(r.drafted_tokens for r in spec) == made
     assert sum(r.accepted_tokens for r in spec) == kept
     assert all(r.drafted_tokens == r.accepted_tokens == 0 for r in plain)
-    assert engine.pool.num_in_use == 0
+    assert engine.pools[0].num_in_use == 0
 
 
 def test_stop_tokens_end_a_request_inside_a_kept_chunk(engine):
@@ -132,7 +132,7 @@ def test_a_request_cancelled_while_it_drafts_leaves_the_engine_serving(engine):
         engine.compiled = compiled
     want = run(engine, LOOPS[1:2], max_new_tokens=20, speculative=None)[0].token_ids
     assert run(engine, LOOPS[1:2], max_new_tokens=20)[0].token_ids == want
-    assert engine.is_running and engine.pool.num_in_use == 0
+    assert engine.is_running and engine.pools[0].num_in_use == 0
 
 
 def test_two_hundred_requests_with_drafts_leave_every_page_free(tiny_llama):
@@ -150,9 +150,9 @@ def test_two_hundred_requests_with_drafts_leave_every_page_free(tiny_llama):
         assert [h.result(timeout=300).token_ids for h in handles] == plain
         assert e.stats().accepted_tokens > 0
         assert e.stats().preemptions > 0
-        assert (e.pool.num_in_use, e.stats().running, e.stats().waiting) == (0, 0, 0)
-        e.pool.clear_cache()
-        assert e.pool.num_available == e.pool.num_usable
+        assert (e.pools[0].num_in_use, e.stats().running, e.stats().waiting) == (0, 0, 0)
+        e.pools[0].clear_cache()
+        assert e.pools[0].num_available == e.pools[0].num_usable
 
 
 def test_the_step_with_drafts_updates_the_pages_in_place(engine):

@@ -24,7 +24,8 @@ from jaxlm.batching.handle import RequestHandle
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.plan import EnginePlan, plan_engine
 from jaxlm.batching.sampled import unpack
-from jaxlm.batching.scheduler import Batch, Scheduler
+from jaxlm.batching.scheduler import Batch
+from jaxlm.batching.shards import ShardedScheduler
 from jaxlm.constrain import Grammars, grammar_of, grammars_for
 from jaxlm.outputs import RequestOutput
 from jaxlm.requests import SamplingParams, parse_request, sampling_params
@@ -71,7 +72,8 @@ class LLMEngine:
     the weights and the steps' temporaries. A step runs at most `max_num_batched_tokens` tokens.
     Decode steps run `decode_steps` at a time while no prompt waits, ending early where a
     request samples a stop token: the tokens of a call reach its requests together. On a model
-    sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`.
+    sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`,
+    and the slots and pages evenly over `data`, a pool of pages for each shard (`pools`).
     On a mesh that spans several processes, every process makes the engine and runs the same
     steps (`jaxlm.batching.lockstep`): process 0 takes the requests, and each of the others
     runs `follow()` until process 0 closes the engine.
@@ -135,9 +137,14 @@ class LLMEngine:
         self.decode_steps = plan.decode_steps
         self.speculative = plan.speculative
         self.num_speculative_tokens = plan.num_speculative_tokens
-        self.pool = PagePool(plan.num_pages, plan.page_size, prefix_cache=prefix_cache)
-        self.scheduler = Scheduler(
-            self.pool,
+        shards = self._steps.shards
+        # A pool of pages for each shard of the mesh's `data` axis, numbered from its own 0.
+        self.pools = tuple(
+            PagePool(plan.num_pages // shards, plan.page_size, prefix_cache=prefix_cache)
+            for _ in range(shards)
+        )
+        self.scheduler = ShardedScheduler.over(
+            self.pools,
             max_num_seqs=plan.max_num_seqs,
             max_num_batched_tokens=plan.max_num_batched_tokens,
             pages_per_seq=plan.pages_per_seq,
@@ -218,7 +225,7 @@ class LLMEngine:
             mask = self._fill_masks(batch)
             drafting = {i for i in requests if self._handles[i]._drafts}
             shape, inputs = self._steps.inputs(batch, requests, logprobs, mask, drafting)
-            rows = {c.seq.id: c.seq.slot for c in batch.chunks if c.sample}
+            rows = {c.seq.id: self._steps.row(c.seq, shape) for c in batch.chunks if c.sample}
         self.pages, out = self.compiled[shape](self._state, self.pages, inputs)
         out = np.asarray(out)
         self.calls += 1
@@ -241,7 +248,7 @@ class LLMEngine:
                     batch = dataclasses.replace(batch, chunks=chunks)
                 self._record(batch, sampled, logprobs, rows)
                 batch = self.scheduler.next_steps(batch)
-                rows = {c.seq.id: c.seq.slot for c in batch.chunks}
+                rows = {c.seq.id: self._steps.row(c.seq, shape) for c in batch.chunks}
         return True
 
     def _exchange(self) -> bool:
@@ -270,7 +277,7 @@ class LLMEngine:
     def _fill_masks(self, batch: Batch) -> np.ndarray | None:
         """The token bitmask of every row, where a row that samples in `batch` has a grammar."""
         rows = [
-            (m, c.seq.slot)
+            (m, self._steps.row(c.seq))
             for c in batch.chunks
             if c.sample and (m := self._handles[c.seq.id]._matcher) is not None
         ]
@@ -324,7 +331,7 @@ class LLMEngine:
     @property
     def max_seq_len(self) -> int:
         """The most tokens a sequence holds, prompt and generated: its pages, or all of them."""
-        return min(self.scheduler.max_tokens_per_seq, self.pool.num_usable * self.page_size)
+        return min(self.scheduler.max_tokens_per_seq, self.pools[0].num_usable * self.page_size)
 
     @property
     def is_running(self) -> bool:
@@ -335,14 +342,14 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's counters now (see `EngineStats`)."""
         with self._wake:
-            s, pool = self.scheduler, self.pool
+            s, pools = self.scheduler, self.pools
             return EngineStats(
                 running=len(s.running),
                 waiting=len(s.waiting),
-                pages_total=pool.num_usable,
-                pages_in_use=pool.num_in_use,
-                pages_free=pool.num_available,
-                pages_cached=pool.num_cached,
+                pages_total=sum(p.num_usable for p in pools),
+                pages_in_use=sum(p.num_in_use for p in pools),
+                pages_free=sum(p.num_available for p in pools),
+                pages_cached=sum(p.num_cached for p in pools),
                 steps=self.steps,
                 calls=self.calls,
                 prefill_tokens=self.prefill_tokens,
@@ -355,6 +362,12 @@ class LLMEngine:
                 drafted_tokens=self.drafted_tokens,
                 accepted_tokens=self.accepted_tokens,
             )
+
+    def clear_cache(self) -> None:
+        """Forget the prefix cache's pages that no sequence holds: they become free."""
+        with self._wake:
+            for pool in self.pools:
+                pool.clear_cache()
 
     # Requests.
 

@@ -40,7 +40,8 @@ class EnginePlan(Bill):
     analysis of each), `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`,
     `total_bytes` (the peak of the most demanding step, weights and pages included) and
     `budget`. On a mesh (`mesh` is not None), the pages split by KV head over `model` and every
-    byte count is per device.
+    byte count is per device; over `data`, the slots and pages split evenly into `shards`, each
+    a pool of its own (whose page 0 pads).
     """
 
     def __init__(self, model, steps, layout, compiled, budget, partitioner):
@@ -55,7 +56,8 @@ class EnginePlan(Bill):
         self.mesh = partitioner.mesh if partitioner else None
         self.num_pages = layout.dims["num_pages"]
         self.page_size = layout.dims["page_size"]
-        self.max_num_seqs = steps.rows
+        self.shards = steps.shards
+        self.max_num_seqs = steps.rows * steps.shards
         self.pages_per_seq = steps.pages_per_seq
         self.max_num_batched_tokens = steps.buckets[-1]
         self.decode_steps = steps.decode_steps
@@ -65,7 +67,7 @@ class EnginePlan(Bill):
     @property
     def max_seq_len(self) -> int:
         """The most tokens one sequence holds: its pages, or every usable page."""
-        return min(self.pages_per_seq, self.num_pages - 1) * self.page_size
+        return min(self.pages_per_seq, self.num_pages // self.shards - 1) * self.page_size
 
     def allocate(self) -> dict:
         """The pages, zero-filled: exactly `scratch_bytes` (per device), allocated once."""
@@ -74,7 +76,8 @@ class EnginePlan(Bill):
     def _header(self) -> str:
         return (
             f"EnginePlan: max_num_seqs={self.max_num_seqs}, num_pages={self.num_pages} of "
-            f"page_size={self.page_size} ({(self.num_pages - 1) * self.page_size} tokens; a "
+            f"page_size={self.page_size} ({(self.num_pages - self.shards) * self.page_size} "
+            f"tokens{f' in {self.shards} pools' if self.shards > 1 else ''}; a "
             f"sequence holds {self.max_seq_len}), max_num_batched_tokens="
             f"{self.max_num_batched_tokens}, {self._where(self.partitioner)}"
         )
@@ -121,14 +124,23 @@ def plan_engine(
         _positive(name, value)
     if (num_pages is None) == (budget is None):
         raise ValueError("give one of `num_pages` and `budget`")
-    if num_pages is not None and (not is_int(num_pages) or num_pages < MIN_PAGES):
-        raise ValueError(f"`num_pages` must be an integer >= {MIN_PAGES}, got {num_pages!r}")
     config = model.config
     max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
     _positive("max_seq_len", max_seq_len)
     graphdef, state = nnx.split(model)
     mesh = mesh_of(state)
-    partitioner = Partitioner(mesh, config) if mesh is not None else None
+    shards = mesh.shape.get("data", 1) if mesh is not None else 1
+    # Over `data`, each shard's slots own its pages.
+    pages_axis = "data" if shards > 1 else None
+    partitioner = Partitioner(mesh, config, pages=pages_axis) if mesh is not None else None
+    least = MIN_PAGES * shards
+    if num_pages is not None and (not is_int(num_pages) or num_pages < least):
+        raise ValueError(f"`num_pages` must be an integer >= {least}, got {num_pages!r}")
+    for name, value in (("max_num_seqs", max_num_seqs), ("num_pages", num_pages or 0)):
+        if value % shards:
+            raise ValueError(
+                f"`{name}={value}` is not a multiple of the mesh axis `data` ({shards} devices)"
+            )
     decls = list(declarations(model))
 
     def layout(pages: int) -> Layout:
@@ -137,14 +149,15 @@ def plan_engine(
 
     steps = step.Steps(
         graphdef,
-        rows=max_num_seqs,
+        rows=max_num_seqs // shards,
         pages_per_seq=-(-max_seq_len // page_size),
         page_size=page_size,
         vocab_size=config.vocab_size,
         buckets=step.buckets(max_num_batched_tokens),
         decode_steps=decode_steps,
-        pages_sharding=layout(MIN_PAGES).tree(lambda s: s.sharding) if partitioner else None,
+        pages_sharding=layout(least).tree(lambda s: s.sharding) if partitioner else None,
         drafts=drafts,
+        mesh=mesh,
     )
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None),
@@ -163,15 +176,15 @@ def plan_engine(
     # The pages are the only part of the bill that grows with their number. The steps whose
     # temporaries are the largest as a rule (`_probes`), compiled alone with the fewest pages,
     # give the rest of the bill; the pages take what that leaves, then as many fewer as another
-    # step's larger temporaries need.
-    page_bytes = layout(1).device_nbytes
+    # step's larger temporaries need. Over `data`, pages come a shard's page at a time.
+    page_bytes = layout(shards).device_nbytes
     weights = weights_bytes(model)
     if weights + MIN_PAGES * page_bytes > limit:
         raise PlanError(
             f"`budget` {format_bytes(limit)} does not hold the weights, "
             f"{format_bytes(weights)}, and {MIN_PAGES} pages of {format_bytes(page_bytes)}"
         )
-    probe = make(MIN_PAGES, _probes(steps))
+    probe = make(least, _probes(steps))
     rest = probe.total_bytes - probe.scratch_bytes
     pages = (limit - rest) // page_bytes
     if pages < MIN_PAGES:
@@ -181,10 +194,10 @@ def plan_engine(
             f"temporaries {format_bytes(probe.temp_bytes)}), plus {MIN_PAGES} pages of "
             f"{format_bytes(page_bytes)}"
         )
-    plan = make(pages)
+    plan = make(pages * shards)
     over = -(-(plan.total_bytes - limit) // page_bytes)
     if 0 < over <= pages - MIN_PAGES:
-        plan = make(pages - over)
+        plan = make((pages - over) * shards)
     if plan.total_bytes > limit:
         raise PlanError(
             f"the engine's plan with {plan.num_pages} pages needs {format_bytes(plan.total_bytes)} "

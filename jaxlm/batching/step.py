@@ -15,6 +15,10 @@ A step's host inputs travel as one byte buffer (`HostPack`) and its outputs come
 int32 array: each array a call takes from the host or gives back makes the calling thread give
 up the GIL and wait to take it again, for up to the switch interval when another thread holds
 it (`docs/performance.md`, "The engine's thread and the GIL").
+
+On a mesh with a `data` axis, the slots split over it: each shard of `data` runs the step over
+its own rows and its own pages (a `shard_map`, the `model` axis left to XLA), from its own row
+of the input buffer, and the shards' outputs come back side by side, rows in slot order.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlm.batching.drafting import decode_with_drafts
 from jaxlm.batching.sampled import PACKED, pack, sample
-from jaxlm.batching.scheduler import Batch
+from jaxlm.batching.scheduler import Batch, SequenceState
 from jaxlm.generator import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import MAX_LOGIT_BIAS, Request
 
@@ -79,19 +85,24 @@ class HostPack:
             offset += -(-math.prod(leaf.shape) * dtype.itemsize // 4) * 4
         self.spec = jax.ShapeDtypeStruct((offset,), jnp.uint8)
 
-    def pack(self, tree) -> np.ndarray:
+    def pack(self, *trees) -> np.ndarray:
+        """One tree as a buffer, or several as its rows."""
+        size = self.spec.shape[0]
         # Copied through a memoryview, which keeps the GIL (see `_zeros`).
-        buf = bytearray(self.spec.shape[0])
+        buf = bytearray(size * len(trees))
         view = memoryview(buf)
-        leaves = jax.tree.leaves(tree)
-        for (offset, shape, dtype), leaf in zip(self._fields, leaves, strict=True):
-            data = np.asarray(leaf, dtype)
-            if data.shape != shape:
-                raise ValueError(f"a field of shape {shape} got an array of {data.shape}")
-            view[offset : offset + data.nbytes] = np.ascontiguousarray(data.reshape(-1)).view(
-                np.uint8
-            )
-        return np.frombuffer(buf, np.uint8)
+        for i, tree in enumerate(trees):
+            leaves = jax.tree.leaves(tree)
+            for (offset, shape, dtype), leaf in zip(self._fields, leaves, strict=True):
+                data = np.asarray(leaf, dtype)
+                if data.shape != shape:
+                    raise ValueError(f"a field of shape {shape} got an array of {data.shape}")
+                start = i * size + offset
+                view[start : start + data.nbytes] = np.ascontiguousarray(data.reshape(-1)).view(
+                    np.uint8
+                )
+        out = np.frombuffer(buf, np.uint8)
+        return out if len(trees) == 1 else out.reshape(len(trees), size)
 
     def unpack(self, buf: jax.Array):
         leaves = []
@@ -108,8 +119,9 @@ class HostPack:
 
 
 class Steps:
-    """The steps of an engine of `rows` sequences, by `Shape`: their input layouts, compiled
-    executables, inputs and outputs."""
+    """The steps of an engine of `rows` sequences a shard, by `Shape`: their input layouts,
+    compiled executables, inputs and outputs. On a `mesh` whose `data` axis has several devices,
+    each of them runs `rows` sequences of its own (`shards`)."""
 
     def __init__(
         self,
@@ -123,8 +135,16 @@ class Steps:
         decode_steps,
         pages_sharding,
         drafts=0,
+        mesh=None,
     ):
         self._graphdef = graphdef
+        self.mesh = mesh
+        self.shards = mesh.shape.get("data", 1) if mesh is not None else 1
+        if self.shards > 1:
+            # Within a shard, its pages keep their split over `model`.
+            pages_sharding = jax.tree.map(
+                lambda s: NamedSharding(s.mesh, P(None, *s.spec[1:])), pages_sharding
+            )
         # On a mesh, the pages a step returns keep the shardings they came in with: XLA aliases
         # a donated buffer to an output only if both are split alike.
         self._pin = (
@@ -220,9 +240,32 @@ class Steps:
             layout = self.layouts[shape]
             run = self._run_decode_drafts if shape.drafts else self._run_decode
             run = functools.partial(self._run if shape.width else run, layout)
+            spec = layout.spec
+            if self.shards > 1:
+                run = self._over_shards(run)
+                replicated = NamedSharding(self.mesh, P())
+                spec = jax.ShapeDtypeStruct(
+                    (self.shards, *spec.shape), spec.dtype, sharding=replicated
+                )
             fn = jax.jit(run, donate_argnums=1)
-            lowered[shape] = fn.lower(state, pages, layout.spec)
+            lowered[shape] = fn.lower(state, pages, spec)
         return compile_side_by_side(lowered)
+
+    def _over_shards(self, run):
+        # The input buffer, a row a shard, and the output stay whole on every device, so that
+        # every process of a mesh over several writes and reads them as on one.
+        def local(state, pages, buf):
+            pages, out = run(state, pages, buf[jax.lax.axis_index("data")])
+            return pages, jax.lax.all_gather(out, "data", axis=1, tiled=True)
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(P(), P("data"), P()),
+            out_specs=(P("data"), P()),
+            axis_names={"data"},
+            check_vma=False,
+        )
 
     # The steps.
 
@@ -291,8 +334,44 @@ class Steps:
     ):
         """The `Shape` of `batch`'s step and its inputs packed, given each sequence's `Request`
         by id, the ids that want log-probabilities, where a row carries a grammar, the token
-        bitmask of every row [rows, `mask_words`] (all bits set in rows without one), and the
-        ids that may draft (in a step of decode tokens alone, on `Steps` made with `drafts`)."""
+        bitmask of every row [rows x shards, `mask_words`] (all bits set in rows without one,
+        by `row`), and the ids that may draft (in a step of decode tokens alone, on `Steps` made
+        with `drafts`)."""
+        shards = [[c for c in batch.chunks if c.seq.shard == d] for d in range(self.shards)]
+        prefills = [[c for c in chunks if len(c.tokens) > 1] for chunks in shards]
+        shape = self.shape([c for p in prefills for c in p], max(map(len, prefills)))
+        if not shape.width:
+            if self.drafts and drafting:
+                shape = Shape(0, 0, self.drafts)
+            if self.narrow and all(c.seq.slot < self.narrow for c in batch.chunks):
+                shape = shape._replace(rows=self.narrow)
+        rows = self.rows
+        x = dict(
+            logprobs=np.bool_(any(c.sample and c.seq.id in logprobs for c in batch.chunks)),
+            masked=np.bool_(mask is not None),
+        )
+        xs = [
+            self._shard_inputs(
+                chunks,
+                chunk_rows,
+                shape,
+                batch.steps,
+                requests,
+                {**x, "mask": self._unmasked if mask is None else mask[d * rows : (d + 1) * rows]},
+                drafting,
+            )
+            for d, (chunks, chunk_rows) in enumerate(zip(shards, prefills, strict=True))
+        ]
+        return shape, self.layouts[shape].pack(*xs)
+
+    def row(self, seq: SequenceState, shape: Shape | None = None) -> int:
+        """The row of `seq` in the output of a step of `shape`, and without one, in a mask of
+        every row."""
+        return seq.shard * ((shape and shape.rows) or self.rows) + seq.slot
+
+    def _shard_inputs(self, chunks, prefills, shape, steps, requests, x, drafting) -> dict:
+        """The inputs of one shard's rows: its `chunks`, of which `prefills` are prompt chunks,
+        in a step of `shape`, with the `x` they share."""
         rows, per_seq = self.rows, self.pages_per_seq
         seen, counts = self._unseen, self._uncounted
         penalties = {n: np.zeros((rows,), np.float32) for n in ("presence", "frequency")}
@@ -303,21 +382,18 @@ class Steps:
             table=np.zeros((rows, per_seq), np.int32),
             last=np.zeros((rows,), np.int32),
         )
-        prefills = []
         params = {
             n: np.zeros((rows,), _SAMPLING_DTYPES.get(n, np.float32)) for n in SAMPLING_FIELDS
         }
         params["top_p"][:] = 1.0
         keys = np.zeros((rows, 2), np.uint32)
         generated = np.zeros((rows,), np.int32)
-        for c in batch.chunks:
+        for c in chunks:
             seq, n, r = c.seq, len(c.tokens), c.seq.slot
             if n == 1:
                 decode["input_ids"][r, 0] = c.tokens[0]
                 decode["positions"][r, 0] = c.start
                 decode["table"][r, : len(seq.pages)] = seq.pages
-            else:
-                prefills.append(c)
             req = requests[seq.id]
             for name in SAMPLING_FIELDS:
                 params[name][r] = req.sampling[name][0]
@@ -343,29 +419,22 @@ class Steps:
                 bias_ids, bias = (a.copy() for a in self._unbiased)
             for j, (token, value) in enumerate(req.logit_bias):
                 bias_ids[r, j], bias[r, j] = token, value
-        want = any(c.sample and c.seq.id in logprobs for c in batch.chunks)
-        x = dict(decode=decode, params=params, keys=keys, generated=generated, seen=seen)
+        x = dict(x, decode=decode, params=params, keys=keys, generated=generated, seen=seen)
         x.update(penalties=penalties, counts=counts, bias_ids=bias_ids, bias=bias)
-        x["masked"] = np.bool_(mask is not None)
-        x["mask"] = self._unmasked if mask is None else mask
-        x["logprobs"] = np.bool_(want)
-        shape = self.shape(prefills)
         if shape.width:
             x["chunk"] = self._chunks(prefills, shape)
-        else:
-            x["steps"] = np.int32(batch.steps)
-            x["stops"] = _zeros((rows, self.vocab_size), bool)
-            for c in batch.chunks:
-                x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
-            if self.drafts and drafting:
-                shape = Shape(0, 0, self.drafts)
-                x.update(self._history(batch, drafting))
-            if self.narrow and all(c.seq.slot < self.narrow for c in batch.chunks):
-                shape = shape._replace(rows=self.narrow)
-                x = jax.tree.map(lambda a: a[: self.narrow] if np.ndim(a) else a, x)
-        return shape, self.layouts[shape].pack(x)
+            return x
+        x["steps"] = np.int32(steps)
+        x["stops"] = _zeros((rows, self.vocab_size), bool)
+        for c in chunks:
+            x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
+        if shape.drafts:
+            x.update(self._history(chunks, drafting))
+        if shape.rows:
+            x = jax.tree.map(lambda a: a[: shape.rows] if np.ndim(a) else a, x)
+        return x
 
-    def _history(self, batch: Batch, drafting: set[int]) -> dict:
+    def _history(self, chunks, drafting: set[int]) -> dict:
         """Each row's tokens, whether it may draft, the slots its pages hold, and its wait and
         backoff (`SequenceState.draft_wait`, `draft_backoff`)."""
         rows = self.rows
@@ -374,7 +443,7 @@ class Steps:
             drafting=np.zeros((rows,), bool),
             **{n: np.zeros((rows,), np.int32) for n in ("limit", "wait", "backoff")},
         )
-        for c in batch.chunks:
+        for c in chunks:
             seq, r = c.seq, c.seq.slot
             out["history"][r, : len(seq.prompt)] = seq.prompt
             out["history"][r, len(seq.prompt) : seq.num_tokens] = seq.output
@@ -383,15 +452,17 @@ class Steps:
             out["wait"][r], out["backoff"][r] = seq.draft_wait, seq.draft_backoff
         return out
 
-    def shape(self, chunks) -> Shape:
-        """The smallest `Shape` that runs the prompt `chunks` (of several tokens each)."""
+    def shape(self, chunks, most: int | None = None) -> Shape:
+        """The smallest `Shape` that runs the prompt `chunks` (of several tokens each), `most`
+        of them (all by default) on the shard that runs the most."""
         if not chunks:
             return Shape(0, 0)
+        most = len(chunks) if most is None else most
         width = next(w for w in self.buckets if w >= max(len(c.tokens) for c in chunks))
-        fits = [s for s in self.layouts if s.width == width and s.chunks >= len(chunks)]
+        fits = [s for s in self.layouts if s.width == width and s.chunks >= most]
         if not fits:
             raise ValueError(
-                f"{len(chunks)} prompt chunks of up to {width} tokens in one step: at most "
+                f"{most} prompt chunks of up to {width} tokens in one step: at most "
                 f"{self.chunk_shapes[width]} at that width"
             )
         return min(fits)

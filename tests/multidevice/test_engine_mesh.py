@@ -46,6 +46,9 @@ def run(model) -> list[list[int]]:
         ]
         out = [h.result().token_ids for h in handles]
         assert engine.stats().pages_in_use == 0
+        # Over `data`, the requests ran on every shard's slots.
+        data = engine.plan.mesh.shape["data"] if engine.plan.mesh else 1
+        assert {h.seq.shard for h in handles} == set(range(data))
     return out
 
 
@@ -61,20 +64,23 @@ def test_sixteen_requests_on_a_mesh_equal_one_device(saved, single, mesh):
     assert run(model) == single
 
 
-def test_pages_split_by_kv_head_and_stay_in_place(saved):
-    model, _ = jaxlm.load(saved, mesh=(1, 2))
+def test_pages_split_by_data_and_kv_head_and_stay_in_place(saved):
+    model, _ = jaxlm.load(saved, mesh=(2, 2))
     # With the step that verifies drafts, which must keep its pages in place too.
     plan = jaxlm.plan(model, speculative="ngram", **SIZES)
     c = model.config
     slot = plan.layout.slots[0]
-    assert slot.sharding.spec == P(None, "model", None, None)
-    assert slot.shard_shape == (96, c.num_key_value_heads // 2, c.head_dim, 4)
+    # Each shard of `data` holds the pages of its own slots, their KV heads split over `model`.
+    spec = P("data", "model", None, None)
+    assert slot.sharding.spec == spec
+    assert slot.shard_shape == (96 // 2, c.num_key_value_heads // 2, c.head_dim, 4)
     with jaxlm.LLMEngine(model, plan=plan) as engine:
+        assert [p.num_pages for p in engine.pools] == [96 // 2] * 2
         pages = jax.tree.leaves(engine.pages)
-        assert all(x.sharding.spec == P(None, "model", None, None) for x in pages)
-        # The bill is per device: each of the two holds half of every page.
+        assert all(x.sharding.spec == spec for x in pages)
+        # The bill is per device: each of the four holds a quarter of the pages.
         assert sum(x.addressable_shards[0].data.nbytes for x in pages) == plan.scratch_bytes
-        assert sum(x.nbytes for x in pages) == 2 * plan.scratch_bytes
+        assert sum(x.nbytes for x in pages) == 4 * plan.scratch_bytes
         before = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in pages]
         prompts, kw = [[1, 2, 3] * 7, [4, 5]], dict(max_new_tokens=12, stop_token_ids=[])
         drafted = engine.generate(prompts, **kw)
@@ -90,6 +96,28 @@ def test_pages_split_by_kv_head_and_stay_in_place(saved):
         assert memory.alias >= plan.scratch_bytes, width
         shape = re.escape(",".join(map(str, slot.shard_shape)))
         assert not re.search(rf"= f32\[{shape}\]\S* copy\(", executable.as_text()), width
+
+
+def test_a_budget_fits_pages_for_every_shard(saved):
+    model, _ = jaxlm.load(saved, mesh=(2, 1))
+    sizes = {k: v for k, v in SIZES.items() if k != "num_pages"}
+    plan = jaxlm.plan(model, budget="1MiB", **sizes)
+    assert plan.num_pages % 2 == 0 and plan.total_bytes <= 1 << 20
+    # The bill is per device, whose shard holds half the pages; one more would not fit.
+    assert plan.total_bytes + plan.scratch_bytes // (plan.num_pages // 2) > 1 << 20
+    with jaxlm.LLMEngine(model, plan=plan) as engine:
+        pages = jax.tree.leaves(engine.pages)
+        assert sum(x.addressable_shards[0].data.nbytes for x in pages) == plan.scratch_bytes
+
+
+@pytest.mark.parametrize(
+    ("sizes", "name"),
+    [(dict(max_num_seqs=3, num_pages=96), "max_num_seqs=3"), (dict(num_pages=95), "num_pages=95")],
+)
+def test_engine_sizes_must_split_over_data(saved, sizes, name):
+    model, _ = jaxlm.load(saved, mesh=(2, 1))
+    with pytest.raises(ValueError, match=rf"`{name}` is not a multiple of the mesh axis `data`"):
+        jaxlm.LLMEngine(model, **{**SIZES, **sizes})
 
 
 def test_serve_on_a_two_by_two_mesh(tiny_chat):
