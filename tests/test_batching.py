@@ -356,6 +356,32 @@ def test_shards_of_data_run_their_own_sequences_on_their_own_pages(
     assert [pool.num_in_use for pool in pools] == [0, 0]
 
 
+def step_all(scheduler) -> Batch:
+    """Schedule a step and record token 1 for every chunk that samples."""
+    batch = scheduler.schedule()
+    scheduler.update(batch, {c.seq.id: 1 for c in batch.chunks if c.sample})
+    return batch
+
+
+def test_shards_of_data_share_the_sequences_and_their_cached_prefixes():
+    pools = [PagePool(9, 4), PagePool(9, 4)]
+    scheduler = ShardedScheduler(pools, max_num_seqs=4, max_num_batched_tokens=32)
+    prompt = [5, 6, 7, 8, 1, 2, 3, 4, 9]
+    # Two sequences at once run one on each shard, not both on the first.
+    x = scheduler.submit([9, 9, 9], 20)
+    a = scheduler.submit(prompt, 1)
+    step_all(scheduler)
+    assert (x.shard, a.shard, a.status) == (0, 1, Status.FINISHED)
+    # `a`'s two full pages stay cached on shard 1. With one sequence running on each shard, the
+    # next prompt that starts with them goes there, and takes them.
+    y = scheduler.submit([8, 8, 8], 20)
+    step_all(scheduler)
+    assert y.shard == 1
+    b = scheduler.submit([*prompt[:8], 4, 4], 2)
+    step_all(scheduler)
+    assert (b.shard, b.num_cached) == (1, 8)
+
+
 def test_shards_of_data_take_the_queue_in_turns():
     pools = [PagePool(9, 4), PagePool(9, 4)]
     scheduler = ShardedScheduler(pools, max_num_seqs=4, max_num_batched_tokens=16)

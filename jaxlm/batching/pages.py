@@ -127,10 +127,10 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def match_prefix(self, tokens: Sequence[int], keys: list[int] | None = None) -> list[int]:
-        """The cached pages that hold the longest run of full pages `tokens` starts with, a
-        reference taken on each; `[]` when the prefix cache is off. `keys`, the keys of the
-        first pages of `tokens` known already, is extended with those hashed here.
+    def cached(self, tokens: Sequence[int], keys: list[int] | None = None) -> list[int]:
+        """The cached pages that hold the longest run of full pages `tokens` starts with (no
+        reference taken); `[]` when the prefix cache is off. `keys`, the keys of the first
+        pages of `tokens` known already, is extended with those hashed here.
 
         The last token of `tokens` is never covered, so that a step still computes it and its
         logits."""
@@ -145,6 +145,11 @@ class PagePool:
             if page is None:
                 break
             pages.append(page)
+        return pages
+
+    def match_prefix(self, tokens: Sequence[int], keys: list[int] | None = None) -> list[int]:
+        """`cached(tokens, keys)`, a reference taken on each page."""
+        pages = self.cached(tokens, keys)
         for page in pages:
             if self._refs[page] == 0:
                 del self._idle[page]

@@ -271,10 +271,13 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def schedule(self, max_steps: int = 1, spare: int = 0, width: int | None = None) -> Batch:
+    def schedule(
+        self, max_steps: int = 1, spare: int = 0, width: int | None = None, share: int | None = None
+    ) -> Batch:
         """The next step's chunks. Sequences preempted because pages ran out are listed in the
         batch (`preempted`); they are back in the queue, to be computed again. `width` is that
-        of the step's prompt chunks, where another shard's chunks have set it.
+        of the step's prompt chunks, where another shard's chunks have set it, and `share` the
+        most sequences this shard runs once it has admitted new ones (`ShardedScheduler`).
 
         A batch of decode chunks alone runs up to `max_steps` steps (`Batch.steps`): no more
         than any of its sequences has left, and only as many as the free pages allow without
@@ -282,6 +285,7 @@ class Scheduler:
         sequences also get pages for `spare` slots past those steps where the free pages
         allow (drafted tokens' keys and values, `jaxlm.speculative`)."""
         self._preempted: list[SequenceState] = []
+        self._share = self.max_num_seqs if share is None else share
         self._share_slots()
         chunks: list[Chunk] = []
         decoding = sorted((s for s in self.running if not s.prefilling), key=lambda s: s.id)
@@ -350,7 +354,7 @@ class Scheduler:
     def _next_waiting(self, prefill: bool) -> SequenceState | None:
         """The waiting sequence to admit next, if a slot is free: the first of those whose group
         runs the fewest sequences; without `prefill`, of those whose prompt is one token."""
-        if not self._free_slots:
+        if not self._free_slots or len(self.running) >= self._share:
             return None
         running = collections.Counter(s.group for s in self.running)
         best = None

@@ -3,8 +3,9 @@
 Each device (or `model` group of devices) along `data` holds the pages of its own slots, and a
 step runs every shard's rows over its own pages (`jaxlm.batching.step`). A sequence runs on one
 shard from admission to its end (`SequenceState.shard`); its page numbers are that shard's. The
-shards admit from one queue, the one running the fewest first, so that sequences spread over
-them; a step's prompt chunks share one width across the shards, the first chunk's.
+shards admit from one queue, each up to an even share of the sequences, the one whose prefix
+cache holds the most of the next prompt first; a step's prompt chunks share one width across
+the shards, the first chunk's.
 """
 
 from __future__ import annotations
@@ -73,9 +74,18 @@ class ShardedScheduler:
     def schedule(self, max_steps: int = 1, spare: int = 0) -> Batch:
         """Every shard's chunks in one `Batch`: its decode steps are the fewest any shard runs,
         and one if any shard runs a prompt chunk."""
+        # Each shard admits up to its share of the sequences, the one whose pages hold the
+        # longest cached prefix of the next in the queue first, then the one running the fewest.
+        share = -(-(len(self.waiting) + len(self.running)) // len(self.shards))
+        head = self.waiting[0] if self.waiting else None
+
+        def order(shard: Scheduler) -> tuple[int, int]:
+            cached = len(shard.pool.cached(head.tokens, head.keys)) if head else 0
+            return -cached, len(shard.running)
+
         width, batches = None, []
-        for shard in sorted(self.shards, key=lambda s: len(s.running)):
-            batches.append(batch := shard.schedule(max_steps, spare, width))
+        for shard in sorted(self.shards, key=order):
+            batches.append(batch := shard.schedule(max_steps, spare, width, share))
             width = width or batch.width
         return Batch(
             tuple(c for b in batches for c in b.chunks),
