@@ -14,6 +14,7 @@ import httpx
 import jax
 import pytest
 from conftest import make_hf_model
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from serve_helpers import free_port, wait_until_healthy
 
@@ -46,9 +47,12 @@ def run(model) -> list[list[int]]:
         ]
         out = [h.result().token_ids for h in handles]
         assert engine.stats().pages_in_use == 0
-        # Over `data`, the requests ran on every shard's slots.
+        # Over `data`, the requests ran on every shard's slots and pages.
         data = engine.plan.mesh.shape["data"] if engine.plan.mesh else 1
         assert {h.seq.shard for h in handles} == set(range(data))
+        if engine.plan.mesh:
+            split = NamedSharding(engine.plan.mesh, P("data" if data > 1 else None, "model"))
+            assert all(x.sharding.is_equivalent_to(split, 4) for x in jax.tree.leaves(engine.pages))
     return out
 
 
