@@ -133,11 +133,16 @@ class Partitioner:
         return NamedSharding(self.mesh, self.spec(axes))
 
     def check_batch(self, max_batch: int) -> None:
-        if max_batch % self.data:
-            raise ShardingError(
-                f"`max_batch={max_batch}` is not a multiple of the mesh axis `data` "
-                f"({self.data} devices)"
-            )
+        check_data_divides("max_batch", max_batch, self.data)
+
+
+def check_data_divides(name: str, value: int, devices: int) -> None:
+    """A `ShardingError` naming the argument `name` unless the mesh axis `data` of `devices`
+    devices divides its `value`."""
+    if value % devices:
+        raise ShardingError(
+            f"`{name}={value}` is not a multiple of the mesh axis `data` ({devices} devices)"
+        )
 
 
 def param_axes(var: nnx.Variable) -> tuple:

@@ -384,6 +384,8 @@ def test_shards_of_data_share_the_sequences_and_their_cached_prefixes():
 
 def test_shards_of_data_take_the_queue_in_turns():
     pools = [PagePool(9, 4), PagePool(9, 4)]
+    with pytest.raises(ValueError, match=r"`max_num_seqs=3` is not a multiple of the mesh axis"):
+        ShardedScheduler(pools, max_num_seqs=3, max_num_batched_tokens=16)
     scheduler = ShardedScheduler(pools, max_num_seqs=4, max_num_batched_tokens=16)
     seqs = [scheduler.submit([1, 2, i], 4) for i in range(5)]
     batch = scheduler.schedule()

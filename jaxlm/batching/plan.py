@@ -20,7 +20,7 @@ from jaxlm.generator import weights_bytes
 from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, parse_bytes
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int
-from jaxlm.sharding import Partitioner, mesh_of
+from jaxlm.sharding import Partitioner, check_data_divides, mesh_of
 from jaxlm.speculative import check_weights, drafts_of
 
 # Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.
@@ -136,11 +136,8 @@ def plan_engine(
     least = MIN_PAGES * shards
     if num_pages is not None and (not is_int(num_pages) or num_pages < least):
         raise ValueError(f"`num_pages` must be an integer >= {least}, got {num_pages!r}")
-    for name, value in (("max_num_seqs", max_num_seqs), ("num_pages", num_pages or 0)):
-        if value % shards:
-            raise ValueError(
-                f"`{name}={value}` is not a multiple of the mesh axis `data` ({shards} devices)"
-            )
+    check_data_divides("max_num_seqs", max_num_seqs, shards)
+    check_data_divides("num_pages", num_pages or 0, shards)
     decls = list(declarations(model))
 
     def layout(pages: int) -> Layout:

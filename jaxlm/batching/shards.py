@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from jaxlm.batching.pages import PagePool
 from jaxlm.batching.scheduler import Batch, Scheduler, SequenceState, Status
+from jaxlm.sharding import check_data_divides
 
 
 class ShardedScheduler:
@@ -30,11 +31,7 @@ class ShardedScheduler:
     """
 
     def __init__(self, pools: Sequence[PagePool], *, max_num_seqs: int, **options):
-        if max_num_seqs % len(pools):
-            raise ValueError(
-                f"`max_num_seqs={max_num_seqs}` is not a multiple of the mesh axis `data` "
-                f"({len(pools)} devices)"
-            )
+        check_data_divides("max_num_seqs", max_num_seqs, len(pools))
         rows = max_num_seqs // len(pools)
         first = Scheduler(pools[0], max_num_seqs=rows, **options)
         self.shards = [first] + [
