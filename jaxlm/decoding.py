@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm import sampling, speculative, stops
+from jaxlm import speculative, stops
+from jaxlm.batching import sampled
 from jaxlm.memory import ScratchSpec
 from jaxlm.ops import write_cache
 
@@ -109,30 +110,37 @@ def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
 
 def _choose(d, logits, params, slots, mask=None):
     """Each row's token at each of `slots` `[T]` from `logits` `[B, T, V]`, the logits before
-    those slots; a row's tokens before each slot penalized, and with a `mask` (`[B, ceil(vocab /
+    those slots, sampled as the engine's step samples (`jaxlm.batching.sampled`, `params` its
+    sampling inputs): the `repetition_penalty` over a row's tokens before each slot, prompt
+    included, OpenAI's penalties over those it generated, and with a `mask` (`[B, ceil(vocab /
     32)]` bits) only among the tokens it allows. The key of a row's token at slot `s` is
     `fold_in(rng, s - prompt_end)`, however many tokens a step samples."""
-    b, t, _ = logits.shape
-    rows = lambda x: jnp.repeat(x, t, axis=0)
+    b, t, v = logits.shape
     every = jnp.arange(d["tokens"].shape[1])
-    seen = (every >= d["start"][:, None, None]) & (every < slots[None, :, None])
-    penalty = rows(params["repetition_penalty"])
-    # The penalty scatters over the whole vocabulary; most requests do not use it.
-    x = jax.lax.cond(
-        jnp.any(penalty != 1.0),
-        lambda x: sampling.apply_repetition_penalty(
-            x, rows(d["tokens"]), seen.reshape(b * t, -1), penalty
-        ),
-        lambda x: x,
-        logits.reshape(b * t, -1),
+
+    def counts(first):
+        # Each row's tokens from slot `first` [B] up to each of `slots`, counted: [B * T, V].
+        valid = (every >= first[:, None, None]) & (every < slots[None, :, None])
+        ids = jnp.where(valid, d["tokens"][:, None, :], v).reshape(b * t, -1)
+        rows = jnp.arange(b * t)[:, None]
+        return jnp.zeros((b * t, v), jnp.int32).at[rows, ids].add(1, mode="drop")
+
+    x = dict(
+        params,
+        keys=d["rng"],
+        masked=jnp.bool_(mask is not None),
+        mask=jnp.zeros((b, -(-v // 32)), jnp.int32) if mask is None else mask,
+        logprobs=jnp.bool_(False),
     )
-    if mask is not None:
-        x = sampling.apply_bitmask(x, rows(mask))
-    fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, None))
-    keys = fold(d["rng"], slots - d["prompt_end"]).reshape(b * t, -1)
-    p = {k: rows(params[k]) for k in ("temperature", "top_k", "top_p", "min_p")}
-    token = sampling.sample(x, keys, p["temperature"], p["top_k"], p["top_p"], p["min_p"])
-    return token.reshape(b, t)
+    generated = jnp.broadcast_to(slots - d["prompt_end"], (b, t))
+    token, *_ = sampled.sample_positions(
+        logits,
+        x,
+        generated,
+        lambda: counts(d["start"]) > 0,
+        lambda: counts(jnp.broadcast_to(d["prompt_end"], (b,))),
+    )
+    return token
 
 
 def _record(d, token, slot, stop):

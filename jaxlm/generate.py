@@ -49,7 +49,7 @@ def _prepare(
     `draft` model, if not None), its prefill chunk, and its padded inputs."""
     batch, p, seq, chunk = shapes(req, given, data_devices(model), drafts)
     the_plan = plan_for(model, batch, p, seq, chunk, given, steps, drafts, draft)
-    x = _inputs(req, batch, p)
+    x = _inputs(req, batch, p, model.config.vocab_size)
     x["stops"] = _stops(tokenizer, req, model.config.vocab_size)
     return the_plan, chunk, x
 
@@ -71,7 +71,7 @@ def _stops(tokenizer, req: Request, vocab_size: int) -> dict:
     return dict(ids=req.stop_ids, strings=strings, table=table, lengths=lengths)
 
 
-def _inputs(req: Request, batch: int, p: int) -> dict:
+def _inputs(req: Request, batch: int, p: int, vocab_size: int) -> dict:
     n = len(req.prompts)
     prompt = np.zeros((batch, p), np.int32)
     lengths = np.ones((batch,), np.int32)
@@ -79,7 +79,20 @@ def _inputs(req: Request, batch: int, p: int) -> dict:
         prompt[i, p - len(ids) :] = ids
         lengths[i] = len(ids)
     # Padding rows copy row 0's settings; they stop at once and their output is dropped.
-    params = {k: np.concatenate([v, np.repeat(v[:1], batch - n)]) for k, v in req.sampling.items()}
+    sampling = {
+        k: np.concatenate([v, np.repeat(v[:1], batch - n)]) for k, v in req.sampling.items()
+    }
+    rows = lambda value: np.full((batch,), value, np.float32)
+    bias_ids, bias = (np.tile(a, (batch, 1)) for a in req.bias_row(vocab_size))
+    params = dict(
+        params=sampling,
+        penalties=dict(
+            presence=rows(req.params.presence_penalty),
+            frequency=rows(req.params.frequency_penalty),
+        ),
+        bias_ids=bias_ids,
+        bias=bias,
+    )
     rng = np.stack(
         [
             np.full((batch,), req.params.seed & 0xFFFFFFFF, np.uint32),
@@ -137,11 +150,6 @@ def _drafts_asked(model, speculative, num_speculative_tokens, response_format, g
 def _request(model, tokenizer, prompts, params, fields, plan) -> Request:
     """The checked request of `generate`'s or `stream`'s arguments."""
     params = sampling_params(params, fields)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name):
-            raise ValueError(f"`{name}` is applied by `LLMEngine`, not by `generate` or `stream`")
-    if params.logit_bias:
-        raise ValueError("`logit_bias` is applied by `LLMEngine`, not by `generate` or `stream`")
     if params.logprobs is not None:
         raise ValueError("`logprobs` come from `LLMEngine`, not from `generate` or `stream`")
     return parse_request(model, tokenizer, prompts, params, plan)
@@ -163,8 +171,8 @@ def generate(
     `prompts` is a string, a list of strings, a list of token ids, or a list of such lists.
     `params` is a `jaxlm.SamplingParams`; its fields given as keywords (`max_new_tokens=`,
     `temperature=`, `stop=`, ...) make one, or replace those of `params`. Each sampling field is
-    a number or one number per prompt. The penalties, `logit_bias` and `logprobs` are
-    `LLMEngine`'s.
+    a number or one number per prompt, but for OpenAI's penalties and `logit_bias`, which hold
+    for every prompt; `logprobs` are `LLMEngine`'s.
 
     Under a `response_format` each token's mask comes from the host, so a constrained request
     runs one call per token rather than one in all.

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm import stops
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS
 from jaxlm.decoding import (
     DRAFT_STEP_FUNCTIONS,
     STEP_FUNCTIONS,
@@ -127,7 +128,13 @@ class Generator:
     def abstract_inputs(self, batch: int, prompt_len: int):
         i32, f32 = jnp.int32, jnp.float32
         sds = jax.ShapeDtypeStruct
-        params = {name: sds((batch,), i32 if name == "top_k" else f32) for name in SAMPLING_FIELDS}
+        bias = (batch, MAX_LOGIT_BIAS)
+        params = {
+            "params": {n: sds((batch,), i32 if n == "top_k" else f32) for n in SAMPLING_FIELDS},
+            "penalties": {n: sds((batch,), f32) for n in ("presence", "frequency")},
+            "bias_ids": sds(bias, i32),
+            "bias": sds(bias, f32),
+        }
         return {
             "prompt": sds((batch, prompt_len), i32),
             "lengths": sds((batch,), i32),

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxlm.batching.sampled import TOP_LOGPROBS
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS, TOP_LOGPROBS
 from jaxlm.generator import SAMPLING_FIELDS, STOP_IDS_BUCKET
 
 
@@ -64,11 +64,9 @@ _CHECKS = {
 }
 
 
-# OpenAI's limits of its penalties and of a `logit_bias` entry; the most entries of a request's
-# `logit_bias`, which a step takes as a fixed-shape list of ids and values.
+# OpenAI's limits of its penalties and of a `logit_bias` entry.
 PENALTY_RANGE = 2.0
 BIAS_RANGE = 100.0
-MAX_LOGIT_BIAS = 300
 
 
 def _penalties(
@@ -239,6 +237,15 @@ class Request:
     @property
     def max_new_tokens(self) -> int:
         return self.params.max_new_tokens
+
+    def bias_row(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as a step takes it: `MAX_LOGIT_BIAS` token ids (`vocab_size` past the
+        last: none) and their biases."""
+        ids = np.full((MAX_LOGIT_BIAS,), vocab_size, np.int32)
+        bias = np.zeros((MAX_LOGIT_BIAS,), np.float32)
+        for j, (token, value) in enumerate(self.logit_bias):
+            ids[j], bias[j] = token, value
+        return ids, bias
 
 
 def parse_request(model, tokenizer, prompts, params: SamplingParams, plan=None) -> Request:

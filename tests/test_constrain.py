@@ -92,7 +92,11 @@ def test_the_steps_penalties_bias_and_mask_equal_numpy():
     lln.apply_token_bitmask_inplace(theirs, mask)
     np.testing.assert_array_equal(np.asarray(sampling.apply_bitmask(logits, mask)), theirs)
 
-    sample = jax.jit(lambda logits, x: sampled.sample(logits, x, 0 * counts[:, 0], False)[0])
+    sample = jax.jit(
+        lambda logits, x: sampled.sample(
+            logits, x, 0 * counts[:, 0], lambda: x["counts"] > 0, lambda: x["counts"]
+        )[0]
+    )
     x = step_inputs(counts, presence, frequency, bias_ids, bias, mask, 0.0)
     np.testing.assert_array_equal(np.asarray(sample(logits, x)), expected.argmax(-1))
     # New values, a sampled batch, no mask: nothing compiles, and no row draws a masked token.

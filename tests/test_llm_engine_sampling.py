@@ -1,14 +1,16 @@
-"""`LLMEngine`'s repetition penalty and log-probabilities: equal to `generate`'s penalty and to
-a NumPy log-softmax of the full forward's logits."""
+"""The penalties, `logit_bias` and log-probabilities of `generate` and `LLMEngine`: equal to each
+other, to NumPy over the full forward's logits, and to a NumPy log-softmax of them."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxlm
+from jaxlm import decoding
 from jaxlm.batching.engine import LLMEngine
-from jaxlm.batching.sampled import TOP_LOGPROBS
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS, TOP_LOGPROBS
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +28,99 @@ def engine(tiny):
 PROMPTS = [[5, 9, 5, 3, 7, 7, 1], list(range(20, 43)), [11, 2, 11, 2, 11]]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_k=20, seed=3)])
-def test_repetition_penalty_equals_generate(tiny, engine, kw):
-    kw = dict(repetition_penalty=1.7, stop_token_ids=[], **kw)
+# OpenAI's penalties and a `logit_bias` that favours one token and bans another.
+OPENAI = dict(presence_penalty=0.8, frequency_penalty=1.3, logit_bias={7: 4.0, 20: -100})
+
+
+# Negative penalties, which favour repeats: drafts from the text are kept.
+REPEATS = dict(presence_penalty=-2.0, frequency_penalty=-0.5, logit_bias={7: 4.0, 20: -100})
+
+
+@pytest.mark.parametrize("penalties", [OPENAI, REPEATS], ids=["penalties", "negative"])
+def test_openais_penalties_and_bias_in_generate_equal_numpy(tiny, penalties):
+    n, prompts = 10, [PROMPTS[0], PROMPTS[2]]
+    width = max(map(len, prompts)) + n
+    expected = []
+    for prompt in prompts:
+        ids, out = list(prompt), []
+        for _ in range(n):
+            # Padded on the right to one width, so that the forward compiles once.
+            padded = np.array([ids + [0] * (width - len(ids))])
+            logits = np.asarray(tiny(padded))[0, len(ids) - 1].astype(np.float64)
+            counts = np.bincount(out, minlength=logits.size)
+            logits -= penalties["frequency_penalty"] * counts
+            logits -= penalties["presence_penalty"] * (counts > 0)
+            for token, bias in penalties["logit_bias"].items():
+                logits[token] += bias
+            out.append(int(np.argmax(logits)))
+            ids.append(out[-1])
+        expected.append(out)
+    kw = dict(max_new_tokens=n, stop_token_ids=[], **penalties)
+    # Two prompts of different lengths share a batch, each penalized by its own tokens alone;
+    # with drafts, a chunk's positions each by the tokens before it.
+    for speculative in (None, "ngram"):
+        got = jaxlm.generate(tiny, None, prompts, speculative=speculative, **kw)
+        assert [o.token_ids for o in got] == expected
+    plain = jaxlm.generate(tiny, None, prompts, max_new_tokens=n, stop_token_ids=[])
+    assert [o.token_ids for o in plain] != expected  # the penalties changed something
+
+
+def test_each_position_of_a_chunk_is_penalized_by_the_tokens_before_it():
+    rng = np.random.default_rng(0)
+    rows, width, vocab, slots_per_row, prompt_end = 3, 4, 24, 14, 5
+    tokens = rng.integers(0, vocab, (rows, slots_per_row)).astype(np.int32)
+    start = np.array([0, 3, 4], np.int32)
+    slots = prompt_end + 2 + np.arange(width, dtype=np.int32)
+    logits = rng.normal(size=(rows, width, vocab)).astype(np.float32) * 0.5
+    # Each position favours the token just before it, which only that position's count holds,
+    # and the prompt's last token, which no count holds.
+    for j, slot in enumerate(slots):
+        logits[np.arange(rows), j, tokens[:, slot - 1]] += 1.5
+    logits[np.arange(rows), :, tokens[:, prompt_end - 1]] += 1.2
+    repetition = np.array([1.3, 1.0, 2.0], np.float32)
+    presence = np.array([0.5, -1.0, 0.0], np.float32)
+    frequency = np.array([1.0, 0.7, -0.4], np.float32)
+    params = dict(
+        params=dict(
+            temperature=np.zeros(rows, np.float32),
+            top_k=np.zeros(rows, np.int32),
+            top_p=np.ones(rows, np.float32),
+            min_p=np.zeros(rows, np.float32),
+            repetition_penalty=repetition,
+        ),
+        penalties=dict(presence=presence, frequency=frequency),
+        bias_ids=np.full((rows, MAX_LOGIT_BIAS), vocab, np.int32),
+        bias=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+    )
+    state = dict(
+        tokens=tokens,
+        start=start,
+        prompt_end=np.int32(prompt_end),
+        rng=np.zeros((rows, 2), np.uint32),
+    )
+    got = np.asarray(decoding._choose(state, jnp.asarray(logits), params, jnp.asarray(slots)))
+    expected = np.zeros((rows, width), np.int64)
+    for r in range(rows):
+        for j, slot in enumerate(slots):
+            x = logits[r, j].astype(np.float64)
+            seen = np.unique(tokens[r, start[r] : slot])
+            x[seen] = np.where(x[seen] < 0, x[seen] * repetition[r], x[seen] / repetition[r])
+            counts = np.bincount(tokens[r, prompt_end:slot], minlength=vocab)
+            x -= frequency[r] * counts + presence[r] * (counts > 0)
+            expected[r, j] = np.argmax(x)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(repetition_penalty=1.7),
+        dict(repetition_penalty=1.7, temperature=0.8, top_k=20, seed=3),
+        dict(OPENAI, temperature=0.8, seed=5),
+    ],
+)
+def test_penalties_equal_generate(tiny, engine, kw):
+    kw = dict(stop_token_ids=[], **kw)
     handles = [engine.submit(p, max_new_tokens=12, **kw) for p in PROMPTS]
     got = [h.result(timeout=300).token_ids for h in handles]
     expected = [

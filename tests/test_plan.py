@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import jaxlm
 from jaxlm import LlamaForCausalLM, ModelConfig, PlanError, stops
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS
 from jaxlm.memory import declarations, format_bytes, parse_bytes
 
 LENGTHS = [7, 3, 5]
@@ -174,11 +175,12 @@ def test_eight_billion_plan_without_allocating():
     assert plan.kv_cache_bytes == kv
     assert plan.weights_bytes == 8_030_261_248 * 2
     # XLA's arguments are the weights, the scratch, the stop strings with their token table
-    # (`jaxlm.stops`) and the step's small inputs.
+    # (`jaxlm.stops`), each row's `logit_bias` (ids and values) and the step's small inputs.
     decode = plan.executables["decode"]
     assert plan.weights_bytes + plan.scratch_bytes <= decode.argument
     inputs = decode.argument - plan.weights_bytes - plan.scratch_bytes
-    assert 0 <= inputs - stops.input_bytes(config.vocab_size) < 4096
+    bias = 8 * MAX_LOGIT_BIAS * (4 + 4)
+    assert 0 <= inputs - stops.input_bytes(config.vocab_size) - bias < 4096
     assert plan.total_bytes >= plan.weights_bytes + plan.scratch_bytes
 
 

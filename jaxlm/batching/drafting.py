@@ -98,7 +98,7 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
         positions = jnp.where(c["active"], c["pos"], -1)[:, None]
         group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
         (logits,), pages = model.forward_paged([group], c["pages"])
-        sampled = sample(logits[:, 0], x, generated(c), c["seen"])
+        sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
         c = keep({**c, "pages": pages}, [a[:, None] for a in sampled], c["active"], 0)
         return plan(c)
 
@@ -114,7 +114,7 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
             "table": decode["table"][pick][None],
         }
         (logits, chunk_logits), pages = model.forward_paged([group, chunk], c["pages"])
-        sampled = sample(logits[:, 0], x, generated(c), c["seen"])
+        sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
         at = generated(c)[pick] + cols
         drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
         # Every row's tokens [rows, drafts + 1]: the picked row's from the chunk.

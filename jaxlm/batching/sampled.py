@@ -20,26 +20,32 @@ TOP_LOGPROBS = 20
 # A step's output per row, packed in one int32 array: the token, its log-probability, the ids
 # of the `TOP_LOGPROBS` most likely tokens and their log-probabilities (floats as bits).
 PACKED = 2 + 2 * TOP_LOGPROBS
+# The most entries of a request's `logit_bias`, which a step takes as a fixed-shape list of ids
+# and values.
+MAX_LOGIT_BIAS = 300
 
 
-def sample(logits, x, generated, seen):
+def sample(logits, x, generated, seen, counts):
     """Each row's next token, and with `x["logprobs"]`, its log-probabilities (else zeros).
 
     The logits are penalized (repetition, then presence and frequency), biased and masked by
-    the rows' grammars in that order; each stage runs only where some row asks for it."""
+    the rows' grammars in that order; each stage runs only where some row asks for it. `seen`
+    and `counts` are functions that give each row's tokens seen (`[rows, V]` bool) and its
+    generated tokens' counts (`[rows, V]` int32): they are called inside their stage, so a
+    caller may build them there."""
     params, penalties = x["params"], x["penalties"]
     penalty = params["repetition_penalty"]
     presence, frequency = penalties["presence"], penalties["frequency"]
     keep = lambda v: v
     penalized = jax.lax.cond(
         jnp.any(penalty != 1.0),
-        lambda v: sampling.penalize_seen(v, seen, penalty),
+        lambda v: sampling.penalize_seen(v, seen(), penalty),
         keep,
         logits,
     )
     penalized = jax.lax.cond(
         jnp.any((presence != 0) | (frequency != 0)),
-        lambda v: sampling.penalize_counts(v, x["counts"], presence, frequency),
+        lambda v: sampling.penalize_counts(v, counts(), presence, frequency),
         keep,
         penalized,
     )
@@ -55,30 +61,34 @@ def sample(logits, x, generated, seen):
     return _draw(logits, penalized, x["params"], x["keys"], generated, x["logprobs"])
 
 
-def sample_drafts(logits, x, generated, rows):
-    """`sample` at the positions of a chunk of drafts of each of `rows` (indices into `x`'s
-    rows): `logits` `[R, K, V]`, `generated` `[R, K]` (each position's count of tokens before
-    it); each output `[R, K, ...]`.
+# The inputs of `sample` that hold a value per row.
+_PER_ROW = ("params", "penalties", "keys", "bias_ids", "bias", "mask")
 
-    A row that drafts has no penalty and no grammar (the engine keeps those rows from
-    drafting), so only its `logit_bias` applies. The positions are rows of one batch, not a
-    `vmap` of `sample`: under `vmap` the conditions that skip a sort or a stage depend on the
-    batched logits, and XLA runs both branches."""
+
+def sample_positions(logits, x, generated, seen, counts):
+    """`sample` at `K` positions of each row: `logits` `[R, K, V]`, `x` of `R` rows, `generated`
+    `[R, K]` (each position's count of tokens before it); `seen` and `counts` give `[R * K, V]`
+    arrays, row `r`'s position `k` at `r * K + k`; each output `[R, K, ...]`.
+
+    The positions are rows of one batch, not a `vmap` of `sample`: under `vmap` the conditions
+    that skip a sort or a stage depend on the batched logits, and XLA runs both branches."""
     r, k, v = logits.shape
-
-    def per(a):
-        return jnp.repeat(a[rows], k, axis=0)
-
+    per = lambda a: jnp.repeat(a, k, axis=0)
+    rows = {name: jax.tree.map(per, x[name]) for name in _PER_ROW}
     flat = logits.reshape(r * k, v)
-    biased = jax.lax.cond(
-        jnp.any(x["bias_ids"] < v),
-        lambda v: sampling.add_bias(v, per(x["bias_ids"]), per(x["bias"])),
-        lambda v: v,
-        flat,
-    )
-    params = {n: per(p) for n, p in x["params"].items()}
-    out = _draw(flat, biased, params, per(x["keys"]), generated.reshape(-1), x["logprobs"])
+    out = sample(flat, {**x, **rows}, generated.reshape(-1), seen, counts)
     return tuple(o.reshape(r, k, *o.shape[1:]) for o in out)
+
+
+def sample_drafts(logits, x, generated, rows):
+    """`sample_positions` at a chunk of drafts of each of `rows` (indices into `x`'s rows).
+
+    A row that drafts has no penalty (the engine keeps those rows from drafting), so the
+    penalties' stages skip it and read no tokens seen."""
+    picked = {name: jax.tree.map(lambda a: a[rows], x[name]) for name in _PER_ROW}
+    r, k, v = logits.shape
+    none = lambda: jnp.zeros((r * k, v), jnp.int32)
+    return sample_positions(logits, {**x, **picked}, generated, lambda: none() > 0, none)
 
 
 def _draw(logits, penalized, params, keys, generated, logprobs):

@@ -36,10 +36,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.batching.drafting import decode_with_drafts
-from jaxlm.batching.sampled import PACKED, pack, sample
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS, PACKED, pack, sample
 from jaxlm.batching.scheduler import Batch, SequenceState
 from jaxlm.generator import SAMPLING_FIELDS, compile_side_by_side
-from jaxlm.requests import MAX_LOGIT_BIAS, Request
+from jaxlm.requests import Request
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
 
@@ -279,7 +279,9 @@ class Steps:
         (logits, chunk_logits), pages = model.forward_paged([x["decode"], x["chunk"]], pages)
         # A padding chunk's row is `rows`, out of range: its logits are dropped.
         logits = logits.at[rows].set(chunk_logits, mode="drop")
-        return self._pin(pages), pack(sample(logits, x, x["generated"], x["seen"]))[None]
+        return self._pin(pages), pack(
+            sample(logits, x, x["generated"], lambda: x["seen"], lambda: x["counts"])
+        )[None]
 
     def _run_decode(self, layout, state, pages, buf):
         # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
@@ -296,7 +298,7 @@ class Steps:
             i, pages, ids, positions, generated, seen, out, _ = carry
             group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
             (logits,), pages = model.forward_paged([group], pages)
-            sampled = sample(logits, x, generated, seen)
+            sampled = sample(logits, x, generated, lambda: seen, lambda: x["counts"])
             token = sampled[0]
             out = out.at[i].set(pack(sampled))
             stopped = jnp.any(live & stops[jnp.arange(rows), token])
@@ -415,10 +417,10 @@ class Steps:
                 if counts is self._uncounted:
                     counts = np.zeros_like(self._uncounted)
                 counts[r] = np.bincount(seq.output, minlength=self.vocab_size)
-            if req.logit_bias and bias is self._unbiased[1]:
-                bias_ids, bias = (a.copy() for a in self._unbiased)
-            for j, (token, value) in enumerate(req.logit_bias):
-                bias_ids[r, j], bias[r, j] = token, value
+            if req.logit_bias:
+                if bias is self._unbiased[1]:
+                    bias_ids, bias = (a.copy() for a in self._unbiased)
+                bias_ids[r], bias[r] = req.bias_row(self.vocab_size)
         x = dict(x, decode=decode, params=params, keys=keys, generated=generated, seen=seen)
         x.update(penalties=penalties, counts=counts, bias_ids=bias_ids, bias=bias)
         if shape.width:
