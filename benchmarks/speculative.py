@@ -1,5 +1,5 @@
 """Prompt-lookup drafts (`speculative="ngram"`) against plain decoding, in `generate` at batch 1
-or in an `LLMEngine`; with `--draft-model`, a draft model's drafts in `generate`.
+or in an `LLMEngine`; with `--draft-model`, a draft model's drafts instead.
 
 Each task is one chat prompt, answered greedily with and without drafts; the tokens must be the
 same. Tasks whose answer repeats the prompt (a text copied out, a function given back with a
@@ -10,10 +10,11 @@ The table gives both rates (medians), their ratio, and the drafts proposed and k
 `--draft-model PATH` drafts with the model at PATH (`same`: `--model` again) instead, its
 weights stored as `--draft-quantize` says (int8: a cheaper copy of the same model).
 
-With `--engine`, one `LLMEngine(speculative="ngram")` of `--max-num-seqs` slots serves each task
-alone and then every task `--copies` times at once (a mixed load), each request with drafts and
-without (`submit(..., speculative=None)`), alternated; tok/s is the tokens after each request's
-first over the time from the first of them to the last.
+With `--engine`, one `LLMEngine(speculative="ngram")` (or `speculative=` the draft model) of
+`--max-num-seqs` slots serves each task alone and then every task `--copies` times at once (a
+mixed load), each request with drafts and without (`submit(..., speculative=None)`),
+alternated; tok/s is the tokens after each request's first over the time from the first of them
+to the last.
 
 With `--vs llama.cpp`, the same loads as `--engine` also go to llama.cpp's `llama-server` on the
 same GGUF file, `--max-num-seqs` slots, started once without drafts and once with
@@ -167,7 +168,7 @@ def _loads(args, prompts) -> dict:
     return loads
 
 
-def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
+def _engine_main(args, model, tokenizer, prompts, drafter) -> list[dict]:
     import jaxlm
 
     longest = max(len(p) for p in prompts.values()) + args.new_tokens
@@ -178,7 +179,7 @@ def _engine_main(args, model, tokenizer, prompts) -> list[dict]:
     results = []
     drafts = args.num_speculative_tokens
     with jaxlm.LLMEngine(
-        model, tokenizer, speculative="ngram", num_speculative_tokens=drafts, **sizes
+        model, tokenizer, speculative=drafter, num_speculative_tokens=drafts, **sizes
     ) as engine:
         for name, load in loads.items():
             plain, drafted, same, tokens, (kept, made) = _engine_rates(
@@ -280,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         "--llama-spec-type", default="ngram-simple", help="llama-server's `--spec-type` drafts"
     )
     args = p.parse_args(argv)
-    if args.draft_model and args.engine:
-        p.error("`--draft-model` drafts in `generate`; `--engine` drafts by prompt lookup")
     model, tokenizer = jaxlm.load(args.model, progress=False, quantize=args.quantize)
     drafter, way = "ngram", "ngram"
     if args.draft_model:
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with OtherLoad() as load:
         if args.engine:
-            results = _engine_main(args, model, tokenizer, prompts)
+            results = _engine_main(args, model, tokenizer, prompts, drafter)
         else:
             results = [
                 _generate_result(model, tokenizer, t, p, args, drafter) for t, p in prompts.items()

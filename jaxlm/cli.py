@@ -80,6 +80,10 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
         default=None,
         help="draft tokens from the prompt and check them in the same step (the same output)",
     )
+    _drafts_option(p)
+
+
+def _drafts_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         default=None,
@@ -92,10 +96,6 @@ def _sampling_options(p: argparse.ArgumentParser, max_new: int) -> None:
         default=None,
         help="store the draft model's weights in int8 or int4",
     )
-    _drafts_option(p)
-
-
-def _drafts_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-speculative-tokens",
         type=_positive_int,
@@ -191,7 +191,8 @@ def _check_drafts(args) -> None:
 
 
 def _speculative(args) -> dict:
-    """`generate`'s drafting arguments: the method, or the draft model, loaded."""
+    """The drafting arguments of `generate` and `LLMEngine`: the method, or the draft model,
+    loaded."""
     speculative = args.speculative
     if args.draft_model is not None:
         import jaxlm
@@ -410,8 +411,7 @@ def _serve(args) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_cache=not args.no_prefix_cache,
         decode_steps=args.decode_steps,
-        speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
+        **_speculative(args),
     )
     if processes is not None and processes["process_id"] != 0:
         print(f"{engine.plan}\nrunning the steps of process 0", file=sys.stderr)

@@ -57,6 +57,24 @@ def drafts_of(speculative, num_speculative_tokens=None, draft_models: bool = Fal
     return int(n)
 
 
+def request_drafts(speculative, engines) -> bool:
+    """Whether a request drafts, by `LLMEngine.submit`'s `speculative`, on an engine that
+    drafts `engines` way (`"ngram"`, its draft model, or None: not at all); a way other than
+    the engine's is refused."""
+    drafts_of(speculative, draft_models=True)
+    if speculative is None:
+        return False
+    if engines is None:
+        raise ValueError(
+            "`speculative` needs an engine that verifies drafts: "
+            'LLMEngine(..., speculative="ngram") or LLMEngine(..., speculative=draft)'
+        )
+    if speculative is not engines and not (isinstance(speculative, str) and speculative == engines):
+        way = f"{engines!r}" if isinstance(engines, str) else "with its draft model"
+        raise ValueError(f"`speculative`: this engine drafts {way}; give that, None or 'engine'")
+    return True
+
+
 def check_weights(model) -> None:
     """Refuse drafts for a model with 4-bit weights (uint8, `jaxlm.kernels.int4`): a step that
     verifies drafts runs a chunk where plain decoding runs one token, their logits differ in the

@@ -224,6 +224,39 @@ def test_a_draft_model_reaches_stream(monkeypatch, capsys):
     assert got["speculative"] is not got["model"] and got["num_speculative_tokens"] == 4
 
 
+def test_a_draft_model_reaches_the_served_engine(monkeypatch, capsys, tmp_path):
+    # Stand-ins again: `jaxlm serve --draft-model` loads the draft beside the model and gives it
+    # to the engine (`tests/test_draft_model.py` checks what the engine does with it).
+    import types
+
+    import jaxlm
+    from jaxlm import cli, serve
+
+    loads, got = [], {}
+    config = types.SimpleNamespace(max_position_embeddings=64)
+
+    def load(path, **kwargs):
+        loads.append((path, kwargs["quantize"]))
+        return types.SimpleNamespace(config=config), None
+
+    def engine(model, tokenizer, **kwargs):
+        got.update(kwargs, model=model)
+        return types.SimpleNamespace(plan="plan")
+
+    monkeypatch.setattr(jaxlm, "load", load)
+    monkeypatch.setattr(jaxlm, "LLMEngine", engine)
+    monkeypatch.setattr(serve, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)
+    monkeypatch.setattr(cli, "_without_ynnpack", lambda *args: None)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda interval: None)
+    draft = tmp_path / "d.gguf"
+    draft.touch()
+    argv = ["serve", "--model", "m.gguf", "--draft-model", str(draft), "--draft-quantize", "int8"]
+    assert cli.main([*argv, "--num-speculative-tokens", "2"]) == 0, capsys.readouterr().err
+    assert loads == [("m.gguf", None), (str(draft), "int8")]
+    assert got["speculative"] is not got["model"] and got["num_speculative_tokens"] == 2
+
+
 def test_the_executable_reports_an_error_in_one_line(env):
     out = run(env, "generate", "Hi", "--top-p", "1.5")
     assert out.returncode == 2

@@ -1,8 +1,10 @@
-"""A draft model's drafts (`speculative=` a model): the tokens of `generate` and `stream` the same
-as without drafts, every draft of a draft that is the model itself kept, and the plan's bill
-counting the draft model's weights and pages."""
+"""A draft model's drafts (`speculative=` a model): the tokens of `generate`, `stream` and
+`LLMEngine` the same as without drafts, every draft of a draft that is the model itself kept,
+and the plans' bills counting the draft model's weights and pages."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import numpy as np
@@ -13,6 +15,8 @@ from conftest import BASE, make_hf_model
 from flax import nnx
 
 import jaxlm
+from jaxlm.batching.engine import LLMEngine
+from jaxlm.batching.step import Shape
 from jaxlm.errors import PlanError
 from jaxlm.speculative import DRAFT
 
@@ -149,8 +153,6 @@ def test_bad_draft_models_are_refused(models, planned, tiny_chat):
         jaxlm.generate(
             model, None, [1, 2], max_new_tokens=2, speculative=nnx.Linear(2, 2, rngs=nnx.Rngs(0))
         )
-    with pytest.raises(ValueError, match=r"got a model \(LlamaForCausalLM\)"):
-        jaxlm.plan(model, max_num_seqs=2, max_seq_len=64, speculative=draft)
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
     with pytest.raises(ValueError, match="`speculative` and `response_format`"):
         jaxlm.generate(
@@ -162,3 +164,78 @@ def test_bad_draft_models_are_refused(models, planned, tiny_chat):
         planned.prefill(planned.allocate(), [[1, 2]])
     with pytest.raises(ValueError, match="`steps` must name some of"):
         jaxlm.plan(model, max_batch=1, max_seq_len=32, speculative=draft, steps=("generate",))
+
+
+# The engine's sizes, and prompts that repeat themselves and others, more than its slots.
+SIZES = dict(max_num_seqs=4, page_size=4, num_pages=96, max_num_batched_tokens=16)
+REQUESTS = [*LOOPS, [1, 2, 3] * 6, [40, 41] * 7, [3, 17, 29, 44, 2], list(range(30, 60))]
+
+
+def _submit_all(engine, **kwargs):
+    handles = [engine.submit(p, max_new_tokens=20, stop_token_ids=[], **kwargs) for p in REQUESTS]
+    return [h.result(timeout=300) for h in handles]
+
+
+@pytest.fixture(scope="module")
+def sharp(models):
+    """The model with sharper logits, so that samples fall into loops too, and the draft."""
+    model, draft = models
+    model = nnx.clone(model)
+    model.lm_head.weight[...] = model.lm_head.weight[...] * 8
+    return model, draft
+
+
+def test_the_engines_draft_model_gives_the_tokens_it_gives_without(sharp):
+    model, draft = sharp
+    sampled = dict(temperature=0.7, seed=3)
+    with LLMEngine(model, **SIZES) as e:
+        plain, plain_sampled = _submit_all(e), _submit_all(e, **sampled)
+    with LLMEngine(model, speculative=draft, **SIZES) as e:
+        assert e.plan.speculative is draft
+        assert _tokens(_submit_all(e)) == _tokens(plain)
+        assert 0 < e.stats().accepted_tokens < e.stats().drafted_tokens
+        assert _tokens(_submit_all(e, **sampled)) == _tokens(plain_sampled)
+        # A request may decline to draft.
+        (undrafted,) = [
+            e.submit(REQUESTS[0], max_new_tokens=20, stop_token_ids=[], speculative=None)
+        ]
+        out = undrafted.result(timeout=300)
+        assert out.token_ids == plain[0].token_ids and out.drafted_tokens == 0
+        assert e.pools[0].num_in_use == 0
+        with pytest.raises(ValueError, match="this engine drafts with its draft model"):
+            e.submit([1, 2], max_new_tokens=2, speculative="ngram")
+
+
+def test_an_engine_whose_draft_is_the_model_keeps_every_draft_in_place(sharp):
+    model, _ = sharp
+    with LLMEngine(model, **SIZES) as e:
+        plain = _submit_all(e)
+    with LLMEngine(model, speculative=model, **SIZES) as e:
+        # A draft that is the model itself shares its weights: the plan counts them once.
+        assert e.plan.weights_bytes == _bytes(model)
+        step = Shape(0, 0, DRAFT)
+        assert e.plan.executables[step].alias >= e.plan.scratch_bytes
+        k_shape = e.pages["draft"]["model"]["layers"][0]["self_attn"]["k_pages"].shape
+        shape = "f32[" + ",".join(map(str, k_shape)) + "]"
+        assert not re.search(rf"= {re.escape(shape)}\S* copy\(", e.compiled[step].as_text())
+        before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(e.pages)]
+        with jaxlm.CompileCounter() as compiles:
+            out = _submit_all(e)
+        assert compiles.builds == 0
+        assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(e.pages)] == before
+    assert _tokens(out) == _tokens(plain)
+    assert [o.drafted_tokens for o in out] == [o.accepted_tokens for o in out]
+    assert sum(o.accepted_tokens for o in out) > 0
+
+
+def test_the_engines_plan_bills_the_draft_models_weights_and_pages(models):
+    model, draft = models
+    plan = jaxlm.plan(model, **SIZES, speculative=draft)
+    assert plan.weights_bytes == _bytes(model) + _bytes(draft)
+    # Each model's keys and values, float32, in every page.
+    pages = lambda c: c.num_hidden_layers * 2 * 96 * 4 * c.num_key_value_heads * c.head_dim * 4
+    assert plan.scratch_bytes == pages(model.config) + pages(draft.config)
+    with LLMEngine(model, plan=plan) as e:
+        assert sum(x.nbytes for x in jax.tree.leaves(e.pages)) == plan.scratch_bytes
+    with LLMEngine(model, **SIZES) as e, pytest.raises(ValueError, match="verifies drafts"):
+        e.submit([1, 2], max_new_tokens=2, speculative=draft)

@@ -1,6 +1,8 @@
-"""The engine's decode call with prompt-lookup drafts (`LLMEngine(speculative="ngram")`).
+"""The engine's decode call with drafts: by prompt lookup (`LLMEngine(speculative="ngram")`), or
+by a draft model (`LLMEngine(speculative=draft)`).
 
-Each row drafts from its own tokens (`jaxlm.speculative.propose`) and runs at its own pace, up
+Each row drafts from its own tokens (`jaxlm.speculative.propose`), or takes the draft model's
+greedy tokens, and runs at its own pace, up
 to the call's `steps` tokens (a chunk may keep a few more; the host drops those past a
 request's end). A step runs every running row's last token, and where a row drafts, that row's
 last token and drafts as a second group of `drafts + 1` tokens: one row a step, so that a chunk
@@ -9,6 +11,10 @@ few enough rows run that what a chunk keeps outweighs what it adds (`busiest`). 
 is sampled with its own key, so a row's tokens are those it gives without drafts. After a
 chunk that kept none of its drafts, the row waits 2, 4, ... `MAX_BACKOFF` tokens before it
 drafts again; the wait carries over from call to call (`SequenceState.draft_wait`).
+
+A draft model keeps pages of its own under the same page table: it runs every group the model
+runs (`forward`), so its pages hold every token the model's do, and a chunk's drafts come from
+it one token at a time, over the picked row alone.
 
 Steps with a chunk and steps without are two `while_loop`s, not a `lax.cond`, whose branches
 XLA:CPU gives copies of the pages (`docs/performance.md`, "Speculative decoding").
@@ -40,13 +46,43 @@ def busiest(rows: int, drafts: int) -> int:
     return rows if more == step else int(KEPT_SHARE * drafts * step / (more - step))
 
 
-def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab_size: int):
+def forward(models, groups, pages):
+    """The model's logits of `groups` over its pages; a draft model (`models` is `(model,
+    draft)`, the draft None without one) runs the same groups over its own pages, which so hold
+    every token the model's do."""
+    model, draft = models
+    logits, out = model.forward_paged(groups, {"model": pages["model"]})
+    if draft is not None:
+        out["draft"] = draft.forward_paged(groups, pages["draft"])[1]
+    return logits, out
+
+
+def _draft_tokens(draft, table, pages, token, position, drafts: int):
+    """The draft model's `drafts` greedy tokens after `token` at `position` of the row whose
+    pages `table` lists, and its pages with `token` and every draft but the last written."""
+
+    def next_token(j, carry):
+        pages, token, proposed = carry
+        group = dict(
+            input_ids=token[None, None], positions=(position + j)[None, None], table=table[None]
+        )
+        (logits,), pages = draft.forward_paged([group], pages)
+        token = jnp.argmax(logits[0, 0]).astype(jnp.int32)
+        return pages, token, proposed.at[j].set(token)
+
+    start = (pages, token, jnp.zeros((drafts,), jnp.int32))
+    pages, _, proposed = jax.lax.fori_loop(0, drafts, next_token, start)
+    return proposed, pages
+
+
+def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, vocab_size: int):
     """Up to `x["steps"]` tokens of each row of `x["decode"]`, `drafts` drafted at a time
-    where a row may (`x["drafting"]`) within the slots its pages hold (`x["limit"]`). Returns
-    the pages and the packed tokens `[decode_steps + drafts + 1, rows, PACKED]`: row `r`'s
-    `i`-th token at
-    `[i, r]` (-1 past its last), and in the last entry each row's drafted and accepted counts
-    and its wait and backoff."""
+    where a row may (`x["drafting"]`) within the slots its pages hold (`x["limit"]`), by prompt
+    lookup, or where `models` is `(model, draft)` with a draft model, by its greedy tokens.
+    Returns the pages and the packed tokens `[decode_steps + drafts + 1, rows, PACKED]`: row
+    `r`'s `i`-th token at `[i, r]` (-1 past its last), and in the last entry each row's drafted
+    and accepted counts and its wait and backoff."""
+    model, draft = models
     decode = x["decode"]
     rows = decode["positions"].shape[0]
     r, cols = jnp.arange(rows), jnp.arange(drafts + 1, dtype=jnp.int32)
@@ -55,7 +91,12 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
 
     def plan(c):
         active = live & (c["count"] < x["steps"]) & ~c["stopped"]
-        proposed, found = propose(c["history"], jnp.zeros((rows,), jnp.int32), c["pos"], drafts)
+        if draft is None:
+            start = jnp.zeros((rows,), jnp.int32)
+            proposed, found = propose(c["history"], start, c["pos"], drafts)
+        else:
+            # The draft model drafts for any row, in `chunk`.
+            proposed, found = c["drafts"], jnp.ones((rows,), bool)
         room = c["pos"] + drafts < x["limit"]
         can = active & x["drafting"] & found & room & (c["wait"] == 0)
         can &= jnp.sum(active) <= busiest(rows, drafts)
@@ -97,7 +138,7 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
     def single(c):
         positions = jnp.where(c["active"], c["pos"], -1)[:, None]
         group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
-        (logits,), pages = model.forward_paged([group], c["pages"])
+        (logits,), pages = forward(models, [group], c["pages"])
         sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
         c = keep({**c, "pages": pages}, [a[:, None] for a in sampled], c["active"], 0)
         return plan(c)
@@ -107,13 +148,27 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
         picked = r == pick
         positions = jnp.where(active & ~picked, c["pos"], -1)[:, None]
         group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
-        proposed = c["drafts"][pick]
+        table, pages = decode["table"][pick], c["pages"]
+        if draft is None:
+            proposed = c["drafts"][pick]
+        else:
+            proposed, pages["draft"] = _draft_tokens(
+                draft, table, pages["draft"], last(c)[pick], c["pos"][pick], drafts
+            )
         chunk = {
             "input_ids": jnp.concatenate([last(c)[pick, None], proposed])[None],
             "positions": (c["pos"][pick] + cols)[None],
-            "table": decode["table"][pick][None],
+            "table": table[None],
         }
-        (logits, chunk_logits), pages = model.forward_paged([group, chunk], c["pages"])
+        (logits, chunk_logits), out = model.forward_paged([group, chunk], {"model": pages["model"]})
+        if draft is not None:
+            # The other rows' tokens, and the picked row's last draft: the draft model's pages
+            # hold every slot the model's may keep.
+            ids = jnp.where(picked, proposed[-1], last(c))[:, None]
+            at = jnp.where(picked, c["pos"] + drafts, positions[:, 0])[:, None]
+            level = {**group, "input_ids": ids, "positions": at}
+            out["draft"] = draft.forward_paged([level], pages["draft"])[1]
+        pages = out
         sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
         at = generated(c)[pick] + cols
         drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
@@ -153,6 +208,7 @@ def decode_with_drafts(model, x, pages, *, drafts: int, decode_steps: int, vocab
             backoff=x["backoff"],
             drafted=zeros,
             accepted=zeros,
+            drafts=jnp.zeros((rows, drafts), jnp.int32),
         )
     )
     c = ops.while_loop(lambda c: jnp.any(c["active"]), body, c, most)

@@ -29,7 +29,7 @@ from jaxlm.batching.shards import ShardedScheduler
 from jaxlm.constrain import Grammars, grammar_of, grammars_for
 from jaxlm.outputs import RequestOutput
 from jaxlm.requests import SamplingParams, parse_request, sampling_params
-from jaxlm.speculative import drafts_of
+from jaxlm.speculative import request_drafts
 
 # `submit`'s `speculative` when not given: the engine's.
 ENGINE_DEFAULT = "engine"
@@ -57,7 +57,7 @@ class EngineStats:
     # Token bitmasks filled for rows with a grammar, and the host's seconds filling them.
     grammar_masks: int = 0
     grammar_mask_seconds: float = 0.0
-    # Tokens drafted by prompt lookup (`speculative`), and those of them the model kept.
+    # Tokens drafted (`speculative`), and those of them the model kept.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
 
@@ -78,8 +78,10 @@ class LLMEngine:
     steps (`jaxlm.batching.lockstep`): process 0 takes the requests, and each of the others
     runs `follow()` until process 0 closes the engine.
     With `speculative="ngram"`, requests draft tokens from their own text while they decode
-    (`jaxlm.speculative`), `num_speculative_tokens` (3) at a time, as `generate` does; their
-    tokens are those they give without.
+    (`jaxlm.speculative`), `num_speculative_tokens` (3) at a time, as `generate` does; with
+    `speculative=draft`, a smaller model of the same vocabulary, they take its greedy tokens as
+    drafts (its pages beside the model's, in the same plan); either way their tokens are those
+    they give without.
 
     Example:
         >>> plan = jaxlm.plan(model, max_num_seqs=4, budget="1GiB")
@@ -103,7 +105,7 @@ class LLMEngine:
         budget: int | str | None = None,
         max_num_batched_tokens: int | None = None,
         decode_steps: int | None = None,
-        speculative: str | None = None,
+        speculative: str | nnx.Module | None = None,
         num_speculative_tokens: int | None = None,
         prefix_cache: bool = True,
         max_queue: int = 1024,
@@ -128,7 +130,7 @@ class LLMEngine:
         elif plan.model is not model:
             raise ValueError("`plan` was made for another model; plan this one")
         self.model, self.tokenizer, self.plan = model, tokenizer, plan
-        self._state = nnx.state(model)
+        self._state = nnx.state(model if plan.draft is None else (model, plan.draft))
         self._steps = plan.steps
         self.compiled = plan.compiled
         self.page_size = plan.page_size
@@ -271,7 +273,7 @@ class LLMEngine:
                     self._cancel_now(handle)
             elif self._follower:
                 req = parse_request(self.model, self.tokenizer, [event.prompt], event.params)
-                self._admit(req, self._grammar(req), event.group, event.speculative, None)
+                self._admit(req, self._grammar(req), event.group, event.drafts, None)
         return True
 
     def _fill_masks(self, batch: Batch) -> np.ndarray | None:
@@ -391,22 +393,18 @@ class LLMEngine:
         groups as one (see `Scheduler`). A request with a grammar (`response_format`) or either
         penalty runs one decode step a call.
 
-        `speculative` (`"engine"`: the engine's) drafts tokens by prompt lookup (`"ngram"`), or
-        not (None); a request with a grammar or any penalty does not draft.
+        `speculative` (`"engine"`: the engine's way) drafts tokens the engine's way (`"ngram"`,
+        or its draft model), or not (None); a request with a grammar or any penalty does not
+        draft.
 
         Example:
             >>> h = engine.submit("JSON: ", max_new_tokens=64, response_format=MyModel)
             >>> MyModel.model_validate_json(h.result().text)"""
         if self._follower:
             raise RuntimeError("process 0 takes the requests; this process runs `follow()`")
-        if speculative == ENGINE_DEFAULT:
+        if isinstance(speculative, str) and speculative == ENGINE_DEFAULT:
             speculative = self.speculative
-        drafts_of(speculative)
-        if speculative is not None and self.speculative is None:
-            raise ValueError(
-                "`speculative` needs an engine that verifies drafts: "
-                'LLMEngine(..., speculative="ngram")'
-            )
+        drafts = request_drafts(speculative, self.speculative)
         req = parse_request(self.model, self.tokenizer, prompt, sampling_params(params, sampling))
         if len(req.prompts) != 1:
             raise ValueError("`submit` takes one prompt; submit each of several on its own")
@@ -415,12 +413,12 @@ class LLMEngine:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            handle = self._admit(req, grammar, group, speculative, on_update)
+            handle = self._admit(req, grammar, group, drafts, on_update)
             if self._lockstep:
                 # The other processes replay it: token ids, and a grammar rather than a class
                 # that only this process may define.
                 params = dataclasses.replace(req.params, response_format=grammar[0])
-                self._events.append(lockstep.Submit(req.prompts[0], params, group, speculative))
+                self._events.append(lockstep.Submit(req.prompts[0], params, group, drafts))
             self._wake.notify()
         return handle
 
@@ -432,14 +430,14 @@ class LLMEngine:
         self._grammars = grammars_for(self.tokenizer, self.model.config.vocab_size)
         return grammar, self._grammars.matcher(grammar)
 
-    def _admit(self, req, grammar, group: Hashable, speculative, on_update) -> RequestHandle:
+    def _admit(self, req, grammar, group: Hashable, drafts: bool, on_update) -> RequestHandle:
         """Queue a parsed request with its `_grammar` (under the engine's lock); its handle."""
         req.stop_ids = frozenset(int(t) for t in req.stop_ids if t >= 0)
         seq = self.scheduler.submit(req.prompts[0], req.max_new_tokens, group)
         handle = RequestHandle(self, seq, req, self.tokenizer, on_update)
         handle._matcher = grammar[1]
         # Drafts would need the host's mask or counts at every position: such rows do not.
-        handle._drafts = speculative is not None and not (
+        handle._drafts = drafts and not (
             _one_step(handle) or req.sampling["repetition_penalty"][0] != 1.0
         )
         self._handles[seq.id] = handle

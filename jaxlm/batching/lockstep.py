@@ -31,12 +31,13 @@ HEARTBEAT = 1.0
 @dataclasses.dataclass(frozen=True)
 class Submit:
     """A request process 0 took: its prompt's token ids and what `LLMEngine.submit` was given
-    (a grammar, not a class only process 0 may define, as `params.response_format`)."""
+    (a grammar, not a class only process 0 may define, as `params.response_format`), and
+    whether it drafts."""
 
     prompt: list[int]
     params: SamplingParams
     group: Hashable
-    speculative: str | None
+    drafts: bool
 
 
 @dataclasses.dataclass(frozen=True)

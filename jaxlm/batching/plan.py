@@ -21,7 +21,7 @@ from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, p
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int
 from jaxlm.sharding import Partitioner, check_data_divides, mesh_of
-from jaxlm.speculative import check_weights, drafts_of
+from jaxlm.speculative import check_draft, check_weights, drafts_of
 
 # Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.
 MIN_PAGES = 2
@@ -32,25 +32,27 @@ class EnginePlan(Bill):
 
     Attributes: `max_num_seqs`, `max_seq_len` (the most tokens one sequence holds),
     `page_size`, `num_pages` (page 0 pads), `pages_per_seq`, `max_num_batched_tokens`,
-    `decode_steps`, `speculative` (`"ngram"` where a step verifies drafts),
-    `num_speculative_tokens` (the drafts a step verifies; 0 without), `layout` (the page
-    slots), `compiled` (the step of each `Shape`: prompt chunks and their width, `Shape(0, 0)`
-    for decode tokens alone, `Shape(0, 0, drafts)` with drafts, and the same over the first
-    slot's row alone, `rows=1`), `executables` (XLA's memory
-    analysis of each), `weights_bytes`, `scratch_bytes` (the pages), `temp_bytes`,
-    `total_bytes` (the peak of the most demanding step, weights and pages included) and
-    `budget`. On a mesh (`mesh` is not None), the pages split by KV head over `model` and every
-    byte count is per device; over `data`, the slots and pages split evenly into `shards`, each
-    a pool of its own (whose page 0 pads).
+    `decode_steps`, `speculative` (`"ngram"` where a step verifies drafts by prompt lookup,
+    the draft model where it drafts with one), `num_speculative_tokens` (the drafts a step
+    verifies; 0 without), `layout` (the page slots: a draft model's beside the model's),
+    `compiled` (the step of each `Shape`: prompt chunks and their width, `Shape(0, 0)` for
+    decode tokens alone, `Shape(0, 0, drafts)` with drafts, and the same over the first slot's
+    row alone, `rows=1`), `executables` (XLA's memory analysis of each), `weights_bytes`,
+    `scratch_bytes` (the pages), `temp_bytes`, `total_bytes` (the peak of the most demanding
+    step, weights and pages included) and `budget`; the weights and pages are the model's and
+    its draft model's. On a mesh (`mesh` is not None), the pages split by KV head over `model`
+    and every byte count is per device; over `data`, the slots and pages split evenly into
+    `shards`, each a pool of its own (whose page 0 pads).
     """
 
-    def __init__(self, model, steps, layout, compiled, budget, partitioner):
+    def __init__(self, model, steps, layout, compiled, budget, partitioner, draft=None):
         self.model = model
+        self.draft = draft
         self.steps = steps
         self.layout = layout
         self.compiled = compiled
         self.executables = {s: ExecutableMemory.of(str(s), e) for s, e in compiled.items()}
-        self.weights_bytes = weights_bytes(model)
+        self.weights_bytes = weights_bytes(self.models)
         self.budget = budget
         self.partitioner = partitioner
         self.mesh = partitioner.mesh if partitioner else None
@@ -62,7 +64,13 @@ class EnginePlan(Bill):
         self.max_num_batched_tokens = steps.buckets[-1]
         self.decode_steps = steps.decode_steps
         self.num_speculative_tokens = steps.drafts
-        self.speculative = "ngram" if steps.drafts else None
+        self.speculative = draft if draft is not None else "ngram" if steps.drafts else None
+
+    @property
+    def models(self) -> tuple:
+        """The model, and its draft model where it has one: the weights the steps take (one
+        variable that both hold counts once)."""
+        return (self.model,) if self.draft is None else (self.model, self.draft)
 
     @property
     def max_seq_len(self) -> int:
@@ -105,13 +113,16 @@ def plan_engine(
     budget: int | str | None = None,
     max_num_batched_tokens: int | None = None,
     decode_steps: int | None = None,
-    speculative: str | None = None,
+    speculative: str | nnx.Module | None = None,
     num_speculative_tokens: int | None = None,
 ) -> EnginePlan:
     """The plan of an engine of `max_num_seqs` sequences; see `jaxlm.plan`."""
-    drafts = drafts_of(speculative, num_speculative_tokens)
+    drafts = drafts_of(speculative, num_speculative_tokens, draft_models=True)
     if drafts:
         check_weights(model)
+    draft = speculative if isinstance(speculative, nnx.Module) else None
+    if draft is not None:
+        check_draft(model, draft)
     page_size = 16 if page_size is None else page_size
     max_num_batched_tokens = 256 if max_num_batched_tokens is None else max_num_batched_tokens
     decode_steps = 4 if decode_steps is None else decode_steps
@@ -127,18 +138,23 @@ def plan_engine(
     config = model.config
     max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
     _positive("max_seq_len", max_seq_len)
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(model if draft is None else (model, draft))
     mesh = mesh_of(state)
     shards = mesh.shape.get("data", 1) if mesh is not None else 1
     # Over `data`, each shard's slots own its pages.
     pages_axis = "data" if shards > 1 else None
-    partitioner = Partitioner(mesh, config, pages=pages_axis) if mesh is not None else None
+    partitioner = None
+    if mesh is not None:
+        draft_config = None if draft is None else draft.config
+        partitioner = Partitioner(mesh, config, pages=pages_axis, draft=draft_config)
     least = MIN_PAGES * shards
     if num_pages is not None and (not is_int(num_pages) or num_pages < least):
         raise ValueError(f"`num_pages` must be an integer >= {least}, got {num_pages!r}")
     check_data_divides("max_num_seqs", max_num_seqs, shards)
     check_data_divides("num_pages", num_pages or 0, shards)
     decls = list(declarations(model))
+    if draft is not None:
+        decls += declarations(draft, prefix=("draft",))
 
     def layout(pages: int) -> Layout:
         dims = {"num_pages": pages, "page_size": page_size}
@@ -154,6 +170,7 @@ def plan_engine(
         decode_steps=decode_steps,
         pages_sharding=layout(least).tree(lambda s: s.sharding) if partitioner else None,
         drafts=drafts,
+        draft_model=draft is not None,
         mesh=mesh,
     )
     abstract = jax.tree.map(
@@ -166,7 +183,7 @@ def plan_engine(
     def make(pages: int, shapes=None) -> EnginePlan:
         lay = layout(pages)
         compiled = steps.compile(abstract, lay.abstract(), shapes)
-        return EnginePlan(model, steps, lay, compiled, limit, partitioner)
+        return EnginePlan(model, steps, lay, compiled, limit, partitioner, draft)
 
     if limit is None:
         return make(num_pages)
@@ -175,7 +192,7 @@ def plan_engine(
     # give the rest of the bill; the pages take what that leaves, then as many fewer as another
     # step's larger temporaries need. Over `data`, pages come a shard's page at a time.
     page_bytes = layout(shards).device_nbytes
-    weights = weights_bytes(model)
+    weights = weights_bytes((model, draft))
     if weights + MIN_PAGES * page_bytes > limit:
         raise PlanError(
             f"`budget` {format_bytes(limit)} does not hold the weights, "

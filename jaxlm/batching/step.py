@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm.batching.drafting import decode_with_drafts
+from jaxlm.batching.drafting import decode_with_drafts, forward
 from jaxlm.batching.sampled import MAX_LOGIT_BIAS, PACKED, pack, sample
 from jaxlm.batching.scheduler import Batch, SequenceState
 from jaxlm.generator import SAMPLING_FIELDS, compile_side_by_side
@@ -135,9 +135,12 @@ class Steps:
         decode_steps,
         pages_sharding,
         drafts=0,
+        draft_model=False,
         mesh=None,
     ):
+        # With a `draft_model`, `graphdef` is of the model and its draft model, as a pair.
         self._graphdef = graphdef
+        self.draft_model = draft_model
         self.mesh = mesh
         self.shards = mesh.shape.get("data", 1) if mesh is not None else 1
         if self.shards > 1:
@@ -269,14 +272,20 @@ class Steps:
 
     # The steps.
 
+    def _models(self, state):
+        """The model and the draft model (None without one)."""
+        models = nnx.merge(self._graphdef, state)
+        return models if self.draft_model else (models, None)
+
     def _run(self, layout, state, pages, buf):
         # One token of each row and prompt chunks of some rows, as two groups of their own
         # widths: padding every row to the chunks' width would multiply the work of a step by
         # its rows.
         x = layout.unpack(buf)
-        model = nnx.merge(self._graphdef, state)
         rows = x["chunk"].pop("rows")
-        (logits, chunk_logits), pages = model.forward_paged([x["decode"], x["chunk"]], pages)
+        (logits, chunk_logits), pages = forward(
+            self._models(state), [x["decode"], x["chunk"]], pages
+        )
         # A padding chunk's row is `rows`, out of range: its logits are dropped.
         logits = logits.at[rows].set(chunk_logits, mode="drop")
         return self._pin(pages), pack(
@@ -287,7 +296,7 @@ class Steps:
         # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
         # samples one of its `stops` [rows, vocab].
         x = layout.unpack(buf)
-        model = nnx.merge(self._graphdef, state)
+        models = self._models(state)
         decode, stops = x["decode"], x["stops"]
         rows = decode["positions"].shape[0]
         live = decode["positions"][:, 0] >= 0
@@ -297,7 +306,7 @@ class Steps:
         def step(carry):
             i, pages, ids, positions, generated, seen, out, _ = carry
             group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
-            (logits,), pages = model.forward_paged([group], pages)
+            (logits,), pages = forward(models, [group], pages)
             sampled = sample(logits, x, generated, lambda: seen, lambda: x["counts"])
             token = sampled[0]
             out = out.at[i].set(pack(sampled))
@@ -313,9 +322,8 @@ class Steps:
 
     def _run_decode_drafts(self, layout, state, pages, buf):
         x = layout.unpack(buf)
-        model = nnx.merge(self._graphdef, state)
         pages, out = decode_with_drafts(
-            model,
+            self._models(state),
             x,
             pages,
             drafts=self.drafts,

@@ -39,7 +39,10 @@ class _EngineCollector:
             "preemptions": ("Sequences preempted for pages.", s.preemptions),
             "engine_steps": ("Steps the engine ran.", s.steps),
             "engine_calls": ("XLA calls that ran the steps.", s.calls),
-            "spec_decode_num_draft_tokens": ("Tokens drafted by prompt lookup.", s.drafted_tokens),
+            "spec_decode_num_draft_tokens": (
+                "Tokens drafted (`--speculative` or `--draft-model`).",
+                s.drafted_tokens,
+            ),
             "spec_decode_num_accepted_tokens": (
                 "Drafted tokens the model kept.",
                 s.accepted_tokens,

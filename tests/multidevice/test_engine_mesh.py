@@ -39,8 +39,8 @@ def requests(vocab: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run(model) -> list[list[int]]:
-    with jaxlm.LLMEngine(model, **SIZES) as engine:
+def run(model, speculative=None) -> tuple[list[list[int]], jaxlm.EngineStats]:
+    with jaxlm.LLMEngine(model, speculative=speculative, **SIZES) as engine:
         handles = [
             engine.submit(p, max_new_tokens=n, stop_token_ids=[])
             for p, n in requests(model.config.vocab_size)
@@ -53,19 +53,28 @@ def run(model) -> list[list[int]]:
         if engine.plan.mesh:
             split = NamedSharding(engine.plan.mesh, P("data" if data > 1 else None, "model"))
             assert all(x.sharding.is_equivalent_to(split, 4) for x in jax.tree.leaves(engine.pages))
-    return out
+        return out, engine.stats()
 
 
 @pytest.fixture(scope="module")
 def single(saved):
     model, _ = jaxlm.load(saved)
-    return run(model)
+    return run(model)[0]
 
 
 @pytest.mark.parametrize("mesh", [(1, 2), (2, 1), (2, 2)], ids=str)
 def test_sixteen_requests_on_a_mesh_equal_one_device(saved, single, mesh):
     model, _ = jaxlm.load(saved, mesh=mesh)
-    assert run(model) == single
+    assert run(model)[0] == single
+
+
+def test_a_draft_model_drafts_on_a_mesh_as_on_one_device(saved, single):
+    # A draft of the model's own weights, its pages split as the model's: every draft is kept.
+    model, _ = jaxlm.load(saved, mesh=(2, 2))
+    draft, _ = jaxlm.load(saved, mesh=(2, 2))
+    out, stats = run(model, speculative=draft)
+    assert out == single
+    assert stats.drafted_tokens == stats.accepted_tokens > 0
 
 
 def test_pages_split_by_data_and_kv_head_and_stay_in_place(saved):
