@@ -130,8 +130,9 @@ def _generate_result(model, tokenizer, task, ids, args, drafter) -> dict:
 
 def _engine_rates(engine, prompts, new_tokens, repeats):
     """`_decode_rates` through `engine`: all `prompts` at once, tok/s from the first token of
-    any to the last, and the drafts kept / proposed of the last run with drafts."""
-    ways = (None, "ngram")
+    any to the last, and the drafts kept / proposed of the last run with drafts (the engine's
+    own way)."""
+    ways = (None, "engine")
 
     def run(how):
         handles = [engine.submit(p, max_new_tokens=new_tokens, speculative=how) for p in prompts]
@@ -154,9 +155,9 @@ def _engine_rates(engine, prompts, new_tokens, repeats):
                     after.accepted_tokens - before.accepted_tokens,
                     after.drafted_tokens - before.drafted_tokens,
                 )
-    same = [o.token_ids for o in outs[None]] == [o.token_ids for o in outs["ngram"]]
-    tokens = sum(len(o.token_ids) for o in outs["ngram"])
-    return statistics.median(rates[None]), statistics.median(rates["ngram"]), same, tokens, counts
+    same = [o.token_ids for o in outs[None]] == [o.token_ids for o in outs["engine"]]
+    tokens = sum(len(o.token_ids) for o in outs["engine"])
+    return statistics.median(rates[None]), statistics.median(rates["engine"]), same, tokens, counts
 
 
 def _loads(args, prompts) -> dict:

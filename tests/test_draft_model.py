@@ -193,6 +193,10 @@ def test_the_engines_draft_model_gives_the_tokens_it_gives_without(sharp):
     with LLMEngine(model, speculative=draft, **SIZES) as e:
         assert e.plan.speculative is draft
         assert _tokens(_submit_all(e)) == _tokens(plain)
+        # One at a time, where a draft model as large as this one drafts (`drafting.busiest`).
+        kw = dict(max_new_tokens=20, stop_token_ids=[])
+        alone = [e.submit(p, **kw).result(timeout=300) for p in REQUESTS]
+        assert _tokens(alone) == _tokens(plain)
         assert 0 < e.stats().accepted_tokens < e.stats().drafted_tokens
         assert _tokens(_submit_all(e, **sampled)) == _tokens(plain_sampled)
         # A request may decline to draft.

@@ -12,9 +12,10 @@ is sampled with its own key, so a row's tokens are those it gives without drafts
 chunk that kept none of its drafts, the row waits 2, 4, ... `MAX_BACKOFF` tokens before it
 drafts again; the wait carries over from call to call (`SequenceState.draft_wait`).
 
-A draft model keeps pages of its own under the same page table: it runs every group the model
-runs (`forward`), so its pages hold every token the model's do, and a chunk's drafts come from
-it one token at a time, over the picked row alone.
+A draft model keeps pages of its own under the same page table, and runs only for the row
+that drafts: over the row's tokens its pages do not hold yet (`SequenceState.draft_len`, the
+whole prompt the first time) and its last token, then one token at a time for the drafts.
+Steps where no row drafts (a full engine, requests that do not draft) never run it.
 
 Steps with a chunk and steps without are two `while_loop`s, not a `lax.cond`, whose branches
 XLA:CPU gives copies of the pages (`docs/performance.md`, "Speculative decoding").
@@ -33,55 +34,86 @@ from jaxlm.speculative import MAX_BACKOFF, kept, propose
 
 # The columns up to which a step's products cost about the same as one (they read the weights
 # once), and the share of its drafts a chunk keeps on text that repeats (2 of 3): the cost
-# model of `busiest`.
+# model of `busiest`, where a draft model's token costs a model's step times its share of the
+# model's bytes.
 FLAT_COLUMNS = 8
 KEPT_SHARE = fractions.Fraction(2, 3)
 
 
-def busiest(rows: int, drafts: int) -> int:
+def busiest(rows: int, drafts: int, draft_cost: float = 0.0) -> int:
     """The most running rows at which a step of `rows` still runs a chunk: its `drafts + 1`
-    columns cost a share of the step that the tokens it keeps must exceed, spread over the
-    running rows (`docs/performance.md`, "Speculative decoding")."""
+    columns, and with a draft model (`draft_cost`: its bytes over the model's) the draft
+    model's tokens, cost a share of the step that the tokens it keeps must exceed, spread over
+    the running rows; a lone row drafts (`docs/performance.md`, "Speculative decoding")."""
     step, more = max(rows, FLAT_COLUMNS), max(rows + drafts + 1, FLAT_COLUMNS)
-    return rows if more == step else int(KEPT_SHARE * drafts * step / (more - step))
+    extra = more - step + drafts * draft_cost * FLAT_COLUMNS
+    return rows if extra == 0 else max(1, int(KEPT_SHARE * drafts * step / extra))
 
 
-def forward(models, groups, pages):
-    """The model's logits of `groups` over its pages; a draft model (`models` is `(model,
-    draft)`, the draft None without one) runs the same groups over its own pages, which so hold
-    every token the model's do."""
-    model, draft = models
-    logits, out = model.forward_paged(groups, {"model": pages["model"]})
-    if draft is not None:
-        out["draft"] = draft.forward_paged(groups, pages["draft"])[1]
-    return logits, out
+# The widths a draft model catches up with a row's tokens its pages lack, widest first while
+# more remain (a prompt's), and the last: its last token and the one before, which it drafts
+# from. Its products cost more with every column, so a few tokens take a narrow chunk.
+CATCH_UP = (64, 8)
+LAST = 2
 
 
-def _draft_tokens(draft, table, pages, token, position, drafts: int):
-    """The draft model's `drafts` greedy tokens after `token` at `position` of the row whose
-    pages `table` lists, and its pages with `token` and every draft but the last written."""
+def forward(model, groups, pages):
+    """The model's logits of `groups` over its pages, and every page: a draft model's
+    (`pages["draft"]`) as they were."""
+    logits, out = model.forward_paged(groups, pages)
+    return logits, {**pages, **out}
 
-    def next_token(j, carry):
-        pages, token, proposed = carry
+
+def _draft_tokens(draft, history, table, pages, start, position, drafts: int):
+    """The draft model's `drafts` greedy tokens after the token at `position` of the row whose
+    tokens are `history` and whose pages `table` lists, and its pages with the row's tokens
+    from `start` (the first they lack) to `position` and every draft but the last written."""
+    end, most = position + 1, history.shape[0] - 1
+
+    def run(pages, ids, at, width, count):
+        # `count` tokens from position `at` in a chunk of `width`; the logits of the last.
+        positions = at + jnp.arange(width, dtype=jnp.int32)
         group = dict(
-            input_ids=token[None, None], positions=(position + j)[None, None], table=table[None]
+            input_ids=ids(positions)[None],
+            positions=jnp.where(positions < at + count, positions, -1)[None],
+            table=table[None],
+            last=(count - 1)[None],
         )
         (logits,), pages = draft.forward_paged([group], pages)
-        token = jnp.argmax(logits[0, 0]).astype(jnp.int32)
-        return pages, token, proposed.at[j].set(token)
+        return logits[0], pages
 
-    start = (pages, token, jnp.zeros((drafts,), jnp.int32))
-    pages, _, proposed = jax.lax.fori_loop(0, drafts, next_token, start)
-    return proposed, pages
+    def stored(positions):
+        return history[jnp.minimum(positions, most)]
+
+    at = start
+    for width in (*CATCH_UP, LAST):
+
+        def catch_up(c, width=width):
+            return run(c[0], stored, c[1], width, jnp.int32(width))[1], c[1] + width
+
+        pages, at = jax.lax.while_loop(lambda c, w=width: end - c[1] > w, catch_up, (pages, at))
+    logits, pages = run(pages, stored, at, LAST, end - at)
+
+    def next_token(j, carry):
+        pages, logits, proposed = carry
+        token = jnp.argmax(logits).astype(jnp.int32)
+        logits, pages = run(pages, lambda _: token[None], end + j, 1, jnp.int32(1))
+        return pages, logits, proposed.at[j].set(token)
+
+    start = (pages, logits, jnp.zeros((drafts,), jnp.int32))
+    pages, logits, proposed = jax.lax.fori_loop(0, drafts - 1, next_token, start)
+    return proposed.at[drafts - 1].set(jnp.argmax(logits).astype(jnp.int32)), pages
 
 
-def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, vocab_size: int):
+def decode_with_drafts(
+    models, x, pages, *, drafts: int, decode_steps: int, vocab_size: int, draft_cost: float
+):
     """Up to `x["steps"]` tokens of each row of `x["decode"]`, `drafts` drafted at a time
     where a row may (`x["drafting"]`) within the slots its pages hold (`x["limit"]`), by prompt
     lookup, or where `models` is `(model, draft)` with a draft model, by its greedy tokens.
     Returns the pages and the packed tokens `[decode_steps + drafts + 1, rows, PACKED]`: row
     `r`'s `i`-th token at `[i, r]` (-1 past its last), and in the last entry each row's drafted
-    and accepted counts and its wait and backoff."""
+    and accepted counts, its wait and backoff, and the slots the draft model's pages hold."""
     model, draft = models
     decode = x["decode"]
     rows = decode["positions"].shape[0]
@@ -99,7 +131,7 @@ def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, voca
             proposed, found = c["drafts"], jnp.ones((rows,), bool)
         room = c["pos"] + drafts < x["limit"]
         can = active & x["drafting"] & found & room & (c["wait"] == 0)
-        can &= jnp.sum(active) <= busiest(rows, drafts)
+        can &= jnp.sum(active) <= busiest(rows, drafts, draft_cost)
         # The row that has run the fewest tokens drafts: rows take turns.
         pick = jnp.argmin(jnp.where(can, c["count"], jnp.iinfo(jnp.int32).max))
         return {**c, "active": active, "drafts": proposed, "pick": pick, "can": jnp.any(can)}
@@ -138,7 +170,7 @@ def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, voca
     def single(c):
         positions = jnp.where(c["active"], c["pos"], -1)[:, None]
         group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
-        (logits,), pages = forward(models, [group], c["pages"])
+        (logits,), pages = forward(model, [group], c["pages"])
         sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
         c = keep({**c, "pages": pages}, [a[:, None] for a in sampled], c["active"], 0)
         return plan(c)
@@ -148,27 +180,19 @@ def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, voca
         picked = r == pick
         positions = jnp.where(active & ~picked, c["pos"], -1)[:, None]
         group = {**decode, "input_ids": last(c)[:, None], "positions": positions, "last": None}
-        table, pages = decode["table"][pick], c["pages"]
+        table, pages, pos = decode["table"][pick], c["pages"], c["pos"][pick]
         if draft is None:
             proposed = c["drafts"][pick]
         else:
             proposed, pages["draft"] = _draft_tokens(
-                draft, table, pages["draft"], last(c)[pick], c["pos"][pick], drafts
+                draft, c["history"][pick], table, pages["draft"], c["draft_len"][pick], pos, drafts
             )
         chunk = {
             "input_ids": jnp.concatenate([last(c)[pick, None], proposed])[None],
             "positions": (c["pos"][pick] + cols)[None],
             "table": table[None],
         }
-        (logits, chunk_logits), out = model.forward_paged([group, chunk], {"model": pages["model"]})
-        if draft is not None:
-            # The other rows' tokens, and the picked row's last draft: the draft model's pages
-            # hold every slot the model's may keep.
-            ids = jnp.where(picked, proposed[-1], last(c))[:, None]
-            at = jnp.where(picked, c["pos"] + drafts, positions[:, 0])[:, None]
-            level = {**group, "input_ids": ids, "positions": at}
-            out["draft"] = draft.forward_paged([level], pages["draft"])[1]
-        pages = out
+        (logits, chunk_logits), pages = forward(model, [group, chunk], pages)
         sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
         at = generated(c)[pick] + cols
         drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
@@ -178,8 +202,12 @@ def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, voca
             for a, d in zip(sampled, drafted, strict=True)
         ]
         keeps = kept(drafted[0], proposed[None])[0]
+        # The draft model's pages hold the row's last token and the drafts kept, but the last.
+        draft_len = c["draft_len"].at[pick].set(pos + 1 + jnp.minimum(keeps, drafts - 1))
         n = jnp.where(picked, keeps + 1, active)
-        c = keep({**c, "pages": pages}, sampled, n, jnp.where(picked, drafts, 0))
+        c = keep(
+            {**c, "pages": pages, "draft_len": draft_len}, sampled, n, jnp.where(picked, drafts, 0)
+        )
         # A chunk that kept no draft cost more than the token it gave: the row waits twice as
         # long as last time before it drafts again; one that kept a draft resets the wait.
         missed = keeps == 0
@@ -209,10 +237,12 @@ def decode_with_drafts(models, x, pages, *, drafts: int, decode_steps: int, voca
             drafted=zeros,
             accepted=zeros,
             drafts=jnp.zeros((rows, drafts), jnp.int32),
+            draft_len=x["draft_len"],
         )
     )
     c = ops.while_loop(lambda c: jnp.any(c["active"]), body, c, most)
-    # The last entry, never a token (-2), holds each row's counts and its wait and backoff.
+    # The last entry, never a token (-2), holds each row's counts, its wait and backoff and the
+    # slots the draft model's pages hold.
     counts = [jnp.full((rows,), -2, jnp.int32), c["drafted"], c["accepted"], c["wait"]]
-    counts = jnp.stack([*counts, c["backoff"]], axis=1)
-    return c["pages"], c["out"].at[most, :, :5].set(counts)
+    counts = jnp.stack([*counts, c["backoff"], c["draft_len"]], axis=1)
+    return c["pages"], c["out"].at[most, :, :6].set(counts)

@@ -235,13 +235,14 @@ class LLMEngine:
             if shape.drafts:
                 # By the slots of the call: a request cancelled while it ran has none now.
                 for c in batch.chunks:
-                    drafted, accepted, wait, backoff = out[-1, rows[c.seq.id], 1:5]
+                    drafted, accepted, wait, backoff, draft_len = out[-1, rows[c.seq.id], 1:6]
                     self.drafted_tokens += int(drafted)
                     self.accepted_tokens += int(accepted)
                     if (handle := self._handles.get(c.seq.id)) is not None:
                         handle.drafted_tokens += int(drafted)
                         handle.accepted_tokens += int(accepted)
                     c.seq.draft_wait, c.seq.draft_backoff = int(wait), int(backoff)
+                    c.seq.draft_len = int(draft_len)
             for tokens, *logprobs in unpack(out):
                 sampled = {i: int(tokens[r]) for i, r in rows.items() if tokens[r] >= 0}
                 if len(sampled) < len(rows):

@@ -170,7 +170,7 @@ def plan_engine(
         decode_steps=decode_steps,
         pages_sharding=layout(least).tree(lambda s: s.sharding) if partitioner else None,
         drafts=drafts,
-        draft_model=draft is not None,
+        draft_cost=None if draft is None else weights_bytes(draft) / weights_bytes(model),
         mesh=mesh,
     )
     abstract = jax.tree.map(

@@ -70,10 +70,12 @@ class SequenceState:
     # preemptions, and how many of `pages` are published.
     keys: list[int] = dataclasses.field(default_factory=list)
     published: int = 0
-    # With drafts (`jaxlm.batching.drafting`): the tokens to wait before drafting again, and
-    # the wait after the next chunk that keeps no draft.
+    # With drafts (`jaxlm.batching.drafting`): the tokens to wait before drafting again, the
+    # wait after the next chunk that keeps no draft, and the tokens whose keys and values a
+    # draft model's pages hold.
     draft_wait: int = 0
     draft_backoff: int = 1
+    draft_len: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -245,6 +247,7 @@ class Scheduler:
         self.pool.release(seq.pages)
         heapq.heappush(self._free_slots, seq.slot)
         seq.pages, seq.slot, seq.num_computed, seq.num_cached = [], None, 0, 0
+        seq.draft_len = 0
         seq.published = 0
         seq.status = Status.WAITING
         seq.preemptions += 1

@@ -42,6 +42,8 @@ from jaxlm.generator import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import Request
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
+# A step with drafts takes these of each row.
+_DRAFT_COUNTS = ("limit", "wait", "backoff", "draft_len")
 
 
 class Shape(NamedTuple):
@@ -135,12 +137,12 @@ class Steps:
         decode_steps,
         pages_sharding,
         drafts=0,
-        draft_model=False,
+        draft_cost=None,
         mesh=None,
     ):
-        # With a `draft_model`, `graphdef` is of the model and its draft model, as a pair.
-        self._graphdef = graphdef
-        self.draft_model = draft_model
+        # With a draft model (`draft_cost`, its bytes over the model's: `drafting.busiest`),
+        # `graphdef` is of the model and the draft model, as a pair.
+        self._graphdef, self.draft_cost = graphdef, draft_cost
         self.mesh = mesh
         self.shards = mesh.shape.get("data", 1) if mesh is not None else 1
         if self.shards > 1:
@@ -166,8 +168,7 @@ class Steps:
             shapes += [Shape(k, width) for k in (*counts, most)]
         if drafts:
             shapes.append(Shape(0, 0, drafts))
-        # A lone sequence's decode steps over its own row (`Scheduler` gives out the lowest
-        # free slot first).
+        # A lone sequence's decode steps over its own row (the lowest free slot goes first).
         self.narrow = 1 if rows > 1 else 0
         if self.narrow:
             shapes.append(Shape(0, 0, 0, self.narrow))
@@ -227,11 +228,11 @@ class Steps:
             spec["steps"] = sds((), jnp.int32)
             spec["stops"] = sds((rows, vocab), jnp.bool_)
         if shape.drafts:
-            # Each row's tokens, whether it drafts, the slots its pages hold, and the tokens it
-            # waits before it drafts again and the wait after its next miss.
+            # Each row's tokens, whether it drafts, the slots its pages hold, and its
+            # `SequenceState.draft_wait`, `draft_backoff` and `draft_len`.
             spec["history"] = sds((rows, self.pages_per_seq * self.page_size), jnp.int32)
             spec["drafting"] = sds((rows,), jnp.bool_)
-            spec.update({n: sds((rows,), jnp.int32) for n in ("limit", "wait", "backoff")})
+            spec.update({n: sds((rows,), jnp.int32) for n in _DRAFT_COUNTS})
         return spec
 
     def compile(self, state, pages, shapes=None) -> dict:
@@ -275,7 +276,7 @@ class Steps:
     def _models(self, state):
         """The model and the draft model (None without one)."""
         models = nnx.merge(self._graphdef, state)
-        return models if self.draft_model else (models, None)
+        return models if self.draft_cost is not None else (models, None)
 
     def _run(self, layout, state, pages, buf):
         # One token of each row and prompt chunks of some rows, as two groups of their own
@@ -283,20 +284,18 @@ class Steps:
         # its rows.
         x = layout.unpack(buf)
         rows = x["chunk"].pop("rows")
-        (logits, chunk_logits), pages = forward(
-            self._models(state), [x["decode"], x["chunk"]], pages
-        )
+        model = self._models(state)[0]
+        (logits, chunk_logits), pages = forward(model, [x["decode"], x["chunk"]], pages)
         # A padding chunk's row is `rows`, out of range: its logits are dropped.
         logits = logits.at[rows].set(chunk_logits, mode="drop")
-        return self._pin(pages), pack(
-            sample(logits, x, x["generated"], lambda: x["seen"], lambda: x["counts"])
-        )[None]
+        sampled = sample(logits, x, x["generated"], lambda: x["seen"], lambda: x["counts"])
+        return self._pin(pages), pack(sampled)[None]
 
     def _run_decode(self, layout, state, pages, buf):
         # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
         # samples one of its `stops` [rows, vocab].
         x = layout.unpack(buf)
-        models = self._models(state)
+        model = self._models(state)[0]
         decode, stops = x["decode"], x["stops"]
         rows = decode["positions"].shape[0]
         live = decode["positions"][:, 0] >= 0
@@ -306,7 +305,7 @@ class Steps:
         def step(carry):
             i, pages, ids, positions, generated, seen, out, _ = carry
             group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
-            (logits,), pages = forward(models, [group], pages)
+            (logits,), pages = forward(model, [group], pages)
             sampled = sample(logits, x, generated, lambda: seen, lambda: x["counts"])
             token = sampled[0]
             out = out.at[i].set(pack(sampled))
@@ -321,15 +320,9 @@ class Steps:
         return self._pin(carry[1]), carry[6]
 
     def _run_decode_drafts(self, layout, state, pages, buf):
-        x = layout.unpack(buf)
-        pages, out = decode_with_drafts(
-            self._models(state),
-            x,
-            pages,
-            drafts=self.drafts,
-            decode_steps=self.decode_steps,
-            vocab_size=self.vocab_size,
-        )
+        sizes = dict(drafts=self.drafts, decode_steps=self.decode_steps, vocab_size=self.vocab_size)
+        sizes["draft_cost"] = self.draft_cost or 0.0
+        pages, out = decode_with_drafts(self._models(state), layout.unpack(buf), pages, **sizes)
         return self._pin(pages), out
 
     # The host's side.
@@ -445,13 +438,13 @@ class Steps:
         return x
 
     def _history(self, chunks, drafting: set[int]) -> dict:
-        """Each row's tokens, whether it may draft, the slots its pages hold, and its wait and
-        backoff (`SequenceState.draft_wait`, `draft_backoff`)."""
+        """Each row's tokens, whether it may draft, the slots its pages hold, and its
+        `SequenceState.draft_wait`, `draft_backoff` and `draft_len`."""
         rows = self.rows
         out = dict(
             history=_zeros((rows, self.pages_per_seq * self.page_size)),
             drafting=np.zeros((rows,), bool),
-            **{n: np.zeros((rows,), np.int32) for n in ("limit", "wait", "backoff")},
+            **{n: np.zeros((rows,), np.int32) for n in _DRAFT_COUNTS},
         )
         for c in chunks:
             seq, r = c.seq, c.seq.slot
@@ -460,6 +453,7 @@ class Steps:
             out["drafting"][r] = seq.id in drafting
             out["limit"][r] = len(seq.pages) * self.page_size
             out["wait"][r], out["backoff"][r] = seq.draft_wait, seq.draft_backoff
+            out["draft_len"][r] = seq.draft_len
         return out
 
     def shape(self, chunks, most: int | None = None) -> Shape:
