@@ -59,7 +59,6 @@ def main() -> None:
         tokenizer,
         max_num_seqs=args.max_num_seqs,
         max_seq_len=hi + args.max_tokens,
-        num_pages=1 + args.max_num_seqs * -(-(hi + args.max_tokens) // 16),
         max_num_batched_tokens=args.max_num_batched_tokens,
         # Distinct prompts: no step finds another's pages in the cache.
         prefix_cache=False,

@@ -204,10 +204,9 @@ def jaxlm_server(
 ) -> Server:
     """`jaxlm serve` with the engine of the in-process run: every sequence fits at its
     longest, so none is preempted."""
-    pages = max_num_seqs * -(-max_seq_len // page_size) + 1
     command = [sys.executable, "-m", "jaxlm", "serve", "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--max-seq-len", str(max_seq_len)]
-    command += ["--page-size", str(page_size), "--num-pages", str(pages)]
+    command += ["--page-size", str(page_size)]
     if speculative is not None:
         command += ["--speculative", speculative]
     if model is not None:

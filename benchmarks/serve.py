@@ -175,7 +175,6 @@ def run_local(args, requests) -> dict:
     """`LLMEngine` and static `generate` in this process."""
     model, tokenizer = jaxlm.load(args.model, progress=False)
     longest = args.prompt_len[1] + args.output_len[1]
-    pages = args.max_num_seqs * -(-longest // args.page_size) + 1
     results, load = {}, {}
     with jaxlm.LLMEngine(
         model,
@@ -183,7 +182,6 @@ def run_local(args, requests) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_seq_len=args.max_seq_len or longest,
         page_size=args.page_size,
-        num_pages=pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
         speculative=args.speculative,
     ) as engine:
@@ -323,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-seq-len",
         type=int,
         default=None,
-        help="the engine's longest request (default: the longest of the workload; the pages "
-        "are sized to the workload either way)",
+        help="the engine's longest request (default: the longest of the workload); the pages "
+        "hold every sequence at that length",
     )
     p.add_argument(
         "--max-num-batched-tokens",

@@ -175,7 +175,6 @@ def _engine_main(args, model, tokenizer, prompts, drafter) -> list[dict]:
     longest = max(len(p) for p in prompts.values()) + args.new_tokens
     sizes = dict(max_num_seqs=args.max_num_seqs, max_seq_len=longest, page_size=16)
     sizes["max_num_batched_tokens"] = args.max_num_batched_tokens
-    sizes["num_pages"] = 1 + args.max_num_seqs * -(-longest // 16)
     loads = _loads(args, prompts)
     results = []
     drafts = args.num_speculative_tokens

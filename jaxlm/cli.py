@@ -387,13 +387,8 @@ def _serve(args) -> None:
     model, tokenizer = jaxlm.load(
         args.model, dtype=args.dtype, mesh=args.mesh, quantize=args.quantize
     )
+    # Without `--num-pages` or `--budget`, the plan gives every sequence room at its longest.
     max_seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 4096)
-    num_pages = args.num_pages
-    if num_pages is None and args.budget is None:
-        # Room for every sequence at its longest, so none is ever preempted, and a padding page
-        # for each shard of the mesh's `data` axis.
-        shards = args.mesh[0] if args.mesh else 1
-        num_pages = shards + args.max_num_seqs * -(-max_seq_len // args.page_size)
     name = args.served_model_name or Path(args.model or default_model_path()).stem
     # The event loop's thread holds the GIL between requests' events; the engine's thread,
     # back from XLA, waits up to the switch interval for it (`docs/performance.md`, "The
@@ -406,7 +401,7 @@ def _serve(args) -> None:
         max_num_seqs=args.max_num_seqs,
         max_seq_len=max_seq_len,
         page_size=args.page_size,
-        num_pages=num_pages,
+        num_pages=args.num_pages,
         budget=args.budget,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_cache=not args.no_prefix_cache,

@@ -314,7 +314,8 @@ def plan(
 
     With `max_num_seqs`, the plan is an `LLMEngine`'s (`jaxlm.batching.plan.EnginePlan`): the
     pages the attention layers declare, `num_pages` of `page_size` tokens (16), or as many as
-    `budget` leaves; sequences of up to `max_seq_len` tokens (the model's context); and the
+    `budget` leaves, or without either, enough for every sequence at its longest; sequences of
+    up to `max_seq_len` tokens (the model's context); and the
     engine's step compiled for each prompt chunk width up to `max_num_batched_tokens` (256),
     decoding `decode_steps` (4) tokens per call, and with `speculative="ngram"` the decode
     step that verifies `num_speculative_tokens` (3) drafted tokens at a time. Its bill is read

@@ -49,7 +49,6 @@ def served_default_engine(model, tokenizer, name: str):
         max_num_seqs=8,
         max_seq_len=1024,
         page_size=16,
-        num_pages=8 * 64 + 1,
         # One prompt chunk of 16 tokens a step: half the steps to compile of 64.
         max_num_batched_tokens=16,
         # Every request drafts where it can: the tests of served answers check drafted tokens.

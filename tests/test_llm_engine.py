@@ -112,9 +112,15 @@ def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny, small_buckets)
     reqs = requests(1, 6, tiny.config.vocab_size)
     kw = dict(temperature=0.9, top_p=0.9, seed=7)
     expected = [solo(tiny, p, n, **kw) for p, n in reqs]
-    with LLMEngine(tiny, max_num_seqs=3, page_size=4, num_pages=80, max_num_batched_tokens=16) as e:
-        results = [h.result(timeout=300) for h in submit_from_threads(e, reqs, **kw)]
+    # `max_seq_len` alone: pages for every sequence at its longest (122 tokens here), and the
+    # padding page, so none is preempted.
+    sizes = dict(max_num_seqs=3, page_size=4, max_seq_len=124, max_num_batched_tokens=16)
+    with LLMEngine(tiny, **sizes) as e:
+        handles = submit_from_threads(e, reqs, **kw)
+        results = [h.result(timeout=300) for h in handles]
+        assert e.plan.num_pages == 1 + 3 * 124 // 4
     assert [r.token_ids for r in results] == expected
+    assert all(h.seq.preemptions == 0 for h in handles)
 
 
 def test_too_few_pages_preempt_and_every_output_stays_exact(tiny, small_buckets):
@@ -266,8 +272,10 @@ def test_bad_requests_and_a_budget(tiny, tiny_llama):
         # One process serves: `follow` is for the others of a mesh across processes.
         with pytest.raises(RuntimeError, match="`follow` runs on the processes other than 0"):
             engine.follow()
-    with pytest.raises(ValueError, match="give one of `num_pages` and `budget`"):
+    with pytest.raises(ValueError, match="give `num_pages`, `budget` or `max_seq_len`"):
         LLMEngine(tiny)
+    with pytest.raises(ValueError, match="give `num_pages` or `budget`, not both"):
+        LLMEngine(tiny, num_pages=8, budget="1GiB")
     with pytest.raises(ValueError, match=r"give a `plan` or its sizes \(`num_pages`\)"):
         LLMEngine(tiny, None, engine.plan, num_pages=8)
     other, _ = jaxlm.load(tiny_llama[0])

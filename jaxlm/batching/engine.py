@@ -68,8 +68,9 @@ class LLMEngine:
     The engine runs a `plan` (`jaxlm.plan(model, max_num_seqs=...)`): its pages, allocated once
     here, and its steps, compiled when it was made. Without one, the sizes make it:
     `max_num_seqs` sequences (4) run at once, each up to `max_seq_len` tokens in pages of
-    `page_size`; `num_pages` pages in all (page 0 pads), or as many as `budget` leaves beside
-    the weights and the steps' temporaries. A step runs at most `max_num_batched_tokens` tokens.
+    `page_size`; `num_pages` pages in all (page 0 pads), as many as `budget` leaves beside the
+    weights and the steps' temporaries, or with `max_seq_len` alone, enough for every sequence
+    at its longest. A step runs at most `max_num_batched_tokens` tokens.
     Decode steps run `decode_steps` at a time while no prompt waits, ending early where a
     request samples a stop token: the tokens of a call reach its requests together. On a model
     sharded over a mesh (`jaxlm.load(..., mesh=...)`), the pages split by KV head over `model`,

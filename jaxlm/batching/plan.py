@@ -133,8 +133,12 @@ def plan_engine(
         ("decode_steps", decode_steps),
     ):
         _positive(name, value)
-    if (num_pages is None) == (budget is None):
-        raise ValueError("give one of `num_pages` and `budget`")
+    if num_pages is not None and budget is not None:
+        raise ValueError("give `num_pages` or `budget`, not both")
+    if num_pages is None and budget is None and max_seq_len is None:
+        raise ValueError(
+            "give `num_pages`, `budget` or `max_seq_len` (pages for every sequence at its longest)"
+        )
     config = model.config
     max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
     _positive("max_seq_len", max_seq_len)
@@ -151,6 +155,9 @@ def plan_engine(
     if num_pages is not None and (not is_int(num_pages) or num_pages < least):
         raise ValueError(f"`num_pages` must be an integer >= {least}, got {num_pages!r}")
     check_data_divides("max_num_seqs", max_num_seqs, shards)
+    if num_pages is None and budget is None:
+        # Every sequence at its longest, so none is ever preempted, and each shard's padding.
+        num_pages = shards + max_num_seqs * -(-max_seq_len // page_size)
     check_data_divides("num_pages", num_pages or 0, shards)
     decls = list(declarations(model))
     if draft is not None:
