@@ -192,15 +192,20 @@ def decode_with_drafts(
             "positions": (c["pos"][pick] + cols)[None],
             "table": table[None],
         }
-        (logits, chunk_logits), pages = forward(model, [group, chunk], pages)
-        sampled = sample(logits[:, 0], x, generated(c), lambda: c["seen"], lambda: x["counts"])
+        # A step of one row runs its chunk alone: the other group would hold no token, and its
+        # products would read the weights once more.
+        groups = [chunk] if rows == 1 else [group, chunk]
+        (*logits, chunk_logits), pages = forward(model, groups, pages)
         at = generated(c)[pick] + cols
-        drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
-        # Every row's tokens [rows, drafts + 1]: the picked row's from the chunk.
-        sampled = [
-            jnp.where(picked.reshape(rows, *[1] * a.ndim), d, a[:, None])
-            for a, d in zip(sampled, drafted, strict=True)
-        ]
+        sampled = drafted = sample_drafts(chunk_logits, x, at[None], pick[None])
+        if rows > 1:
+            seen = lambda: c["seen"]
+            plain = sample(logits[0][:, 0], x, generated(c), seen, lambda: x["counts"])
+            # Every row's tokens [rows, drafts + 1]: the picked row's from the chunk.
+            sampled = [
+                jnp.where(picked.reshape(rows, *[1] * a.ndim), d, a[:, None])
+                for a, d in zip(plain, drafted, strict=True)
+            ]
         keeps = kept(drafted[0], proposed[None])[0]
         # The draft model's pages hold the row's last token and the drafts kept, but the last.
         draft_len = c["draft_len"].at[pick].set(pos + 1 + jnp.minimum(keeps, drafts - 1))
