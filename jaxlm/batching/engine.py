@@ -131,7 +131,7 @@ class LLMEngine:
         elif plan.model is not model:
             raise ValueError("`plan` was made for another model; plan this one")
         self.model, self.tokenizer, self.plan = model, tokenizer, plan
-        self._state = nnx.state(model if plan.draft is None else (model, plan.draft))
+        self._state = nnx.state(plan.models)
         self._steps = plan.steps
         self.compiled = plan.compiled
         self.page_size = plan.page_size

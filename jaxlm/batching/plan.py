@@ -67,10 +67,10 @@ class EnginePlan(Bill):
         self.speculative = draft if draft is not None else "ngram" if steps.drafts else None
 
     @property
-    def models(self) -> tuple:
-        """The model, and its draft model where it has one: the weights the steps take (one
-        variable that both hold counts once)."""
-        return (self.model,) if self.draft is None else (self.model, self.draft)
+    def models(self):
+        """What the steps take the weights of: the model, or the model and its draft model as a
+        pair (one variable that both hold counts once)."""
+        return _models(self.model, self.draft)
 
     @property
     def max_seq_len(self) -> int:
@@ -96,6 +96,10 @@ class EnginePlan(Bill):
             f"EnginePlan(max_num_seqs={self.max_num_seqs}, num_pages={self.num_pages}, "
             f"page_size={self.page_size}, total={format_bytes(self.total_bytes)}{per_device})"
         )
+
+
+def _models(model, draft):
+    return model if draft is None else (model, draft)
 
 
 def _positive(name: str, value) -> None:
@@ -142,7 +146,7 @@ def plan_engine(
     config = model.config
     max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
     _positive("max_seq_len", max_seq_len)
-    graphdef, state = nnx.split(model if draft is None else (model, draft))
+    graphdef, state = nnx.split(_models(model, draft))
     mesh = mesh_of(state)
     shards = mesh.shape.get("data", 1) if mesh is not None else 1
     # Over `data`, each shard's slots own its pages.
@@ -199,7 +203,7 @@ def plan_engine(
     # give the rest of the bill; the pages take what that leaves, then as many fewer as another
     # step's larger temporaries need. Over `data`, pages come a shard's page at a time.
     page_bytes = layout(shards).device_nbytes
-    weights = weights_bytes((model, draft))
+    weights = weights_bytes(_models(model, draft))
     if weights + MIN_PAGES * page_bytes > limit:
         raise PlanError(
             f"`budget` {format_bytes(limit)} does not hold the weights, "
