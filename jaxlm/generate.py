@@ -74,11 +74,11 @@ def _stops(tokenizer, req: Request, vocab_size: int) -> dict:
 def _inputs(req: Request, batch: int, p: int, vocab_size: int) -> dict:
     n = len(req.prompts)
     prompt = np.zeros((batch, p), np.int32)
-    lengths = np.ones((batch,), np.int32)
+    lengths = np.zeros((batch,), np.int32)
     for i, ids in enumerate(req.prompts):
         prompt[i, p - len(ids) :] = ids
         lengths[i] = len(ids)
-    # Padding rows copy row 0's settings; they stop at once and their output is dropped.
+    # Padding rows (no prompt) copy row 0's settings; they are done from the start.
     sampling = {
         k: np.concatenate([v, np.repeat(v[:1], batch - n)]) for k, v in req.sampling.items()
     }
@@ -116,14 +116,20 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return multihost_utils.process_allgather(x, tiled=True)
 
 
-def _read_rows(scratch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    d = scratch["decode"]
-    return (
-        _fetch(d["tokens"])[:n],
-        _fetch(d["num_generated"])[:n],
-        _fetch(d["done"])[:n],
-        int(_fetch(d["prompt_end"])),
-    )
+def _read_rows(scratch, req: Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's generated tokens, how many of them come before its stop token and within
+    `max_new_tokens`, and whether it stopped there (a chunk of drafts may sample past either,
+    or past a stop string within them: the text's cut finds it)."""
+    d, n = scratch["decode"], len(req.prompts)
+    start = int(_fetch(d["prompt_end"]))
+    tokens, sampled = _fetch(d["tokens"])[:n, start:], _fetch(d["sampled"])[:n]
+    counts = np.minimum(sampled, req.max_new_tokens)
+    done = _fetch(d["done"])[:n] & (sampled <= req.max_new_tokens)
+    for i in range(n):
+        stop = np.flatnonzero(np.isin(tokens[i, : counts[i]], req.stop_ids))
+        if stop.size:
+            counts[i], done[i] = stop[0], True
+    return tokens, counts, done
 
 
 def _drafts(scratch, n: int) -> list[tuple[int, int]]:
@@ -211,11 +217,11 @@ def generate(
         x["stops"],
         np.int32(req.max_new_tokens),
     )
-    tokens, counts, done, start = _read_rows(scratch, len(req.prompts))
+    tokens, counts, done = _read_rows(scratch, req)
     drafts = _drafts(scratch, len(req.prompts))
     the_plan.keep(scratch)
     the_plan.ran()
-    return _result(tokenizer, req, tokens[:, start:], counts, done, drafts)
+    return _result(tokenizer, req, tokens, counts, done, drafts)
 
 
 def _result(tokenizer, req: Request, tokens, counts, done, drafts=None) -> list[RequestOutput]:
@@ -325,9 +331,8 @@ def _calls(
     scratch = first(the_plan.generator.params, the_plan.take(), *prompt, **masked)
     generated = 1
     while True:
-        tokens, counts, done, start = _read_rows(scratch, n)
+        tokens, counts, done = _read_rows(scratch, req)
         the_plan.ran()
-        tokens = tokens[:, start:]
         if constrained is not None:
             counts, done = constrained.advance(tokens, counts, done)
         if generated >= req.max_new_tokens or bool(done.all()):

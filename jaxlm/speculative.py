@@ -3,13 +3,13 @@ copied from a row's own earlier text, proposed and checked on the device.
 
 Each step, a row looks for the latest earlier occurrence of its last `n` tokens among its own
 tokens (prompt and output; `n` from `NGRAM_SIZES`, longest first) and drafts the tokens that
-followed it. The loop (`jaxlm.decoding.decode_loop_ngram`, the engine's
-`jaxlm.batching.step.Steps`) runs the row's last token and its
-drafts as one chunk, samples a token at every position with that position's own key, and keeps
-the drafts up to the first that differs from the token sampled before it, and that token: the
-row's tokens are those it gives without drafts. Much real text repeats its input (edits,
-extraction, quotes), and a chunk of a few tokens costs little more than one where reading the
-weights bounds a step (see `docs/performance.md`, "Speculative decoding").
+followed it. The decode loop (`jaxlm.batching.loop`, `generate`'s and the engine's) runs the
+row's last token and its drafts as one chunk, samples a token at every position with that
+position's own key, and keeps the drafts up to the first that differs from the token sampled
+before it, and that token: the row's tokens are those it gives without drafts. Much real text
+repeats its input (edits, extraction, quotes), and a chunk of a few tokens costs little more
+than one where reading the weights bounds a step (see `docs/performance.md`, "Speculative
+decoding").
 """
 
 from __future__ import annotations
@@ -149,9 +149,3 @@ def kept(sampled, drafts):
     at its position (`sampled` `[B, drafts + 1]`, the token after each position of the chunk)."""
     same = (sampled[:, : drafts.shape[1]] == drafts).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(same, axis=1), axis=1)
-
-
-def accepted(sampled, drafts, done):
-    """The drafts every unfinished row keeps (`kept`) where the rows share one slot index, as
-    `generate`'s do: all keep the fewest."""
-    return jnp.min(jnp.where(done, drafts.shape[1], kept(sampled, drafts)))

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm import decoding
 from jaxlm.batching.engine import LLMEngine
-from jaxlm.batching.sampled import MAX_LOGIT_BIAS, TOP_LOGPROBS
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS, TOP_LOGPROBS, sample_drafts
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +91,27 @@ def test_each_position_of_a_chunk_is_penalized_by_the_tokens_before_it():
         bias_ids=np.full((rows, MAX_LOGIT_BIAS), vocab, np.int32),
         bias=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
     )
-    state = dict(
-        tokens=tokens,
-        start=start,
-        prompt_end=np.int32(prompt_end),
-        rng=np.zeros((rows, 2), np.uint32),
+    x = dict(
+        params,
+        keys=np.zeros((rows, 2), np.uint32),
+        masked=np.bool_(False),
+        mask=np.zeros((rows, 1), np.int32),
+        logprobs=np.bool_(False),
     )
-    got = np.asarray(decoding._choose(state, jnp.asarray(logits), params, jnp.asarray(slots)))
+    got = []
+    for r in range(rows):
+        # The chunk runs the token before each position; the row's seen tokens and generated
+        # tokens' counts hold its first.
+        first = slots[0] - 1
+        ids = jnp.asarray(tokens[r, first : slots[-1]])
+        seen = np.zeros(vocab, bool)
+        seen[tokens[r, start[r] : first + 1]] = True
+        counts = np.bincount(tokens[r, prompt_end : first + 1], minlength=vocab).astype(np.int32)
+        generated = jnp.asarray(slots - prompt_end)[None]
+        token, *_ = sample_drafts(
+            jnp.asarray(logits[r : r + 1]), x, generated, jnp.asarray([r]), ids, seen, counts
+        )
+        got.append(np.asarray(token[0]))
     expected = np.zeros((rows, width), np.int64)
     for r in range(rows):
         for j, slot in enumerate(slots):
@@ -108,7 +121,7 @@ def test_each_position_of_a_chunk_is_penalized_by_the_tokens_before_it():
             counts = np.bincount(tokens[r, prompt_end:slot], minlength=vocab)
             x -= frequency[r] * counts + presence[r] * (counts > 0)
             expected[r, j] = np.argmax(x)
-    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.stack(got), expected)
 
 
 @pytest.mark.parametrize(
@@ -129,6 +142,19 @@ def test_penalties_equal_generate(tiny, engine, kw):
     assert got == expected
     plain = engine.submit(PROMPTS[0], max_new_tokens=12, stop_token_ids=[]).result(timeout=300)
     assert plain.token_ids != got[0]  # the penalty changed something
+
+
+def test_penalized_rows_draft_and_run_several_steps_a_call_in_the_engine(tiny):
+    # The loop counts each token it samples, so a penalized row runs `decode_steps` a call and
+    # drafts, each position penalized by the tokens before it; `generate` checks it above.
+    kw = dict(REPEATS, repetition_penalty=1.3, stop_token_ids=[], max_new_tokens=16)
+    expected = [jaxlm.generate(tiny, None, [p], **kw)[0].token_ids for p in PROMPTS]
+    sizes = dict(max_num_seqs=3, page_size=4, num_pages=64, max_num_batched_tokens=32)
+    with LLMEngine(tiny, speculative="ngram", decode_steps=4, **sizes) as engine:
+        handles = [engine.submit(p, **kw) for p in PROMPTS]
+        assert [h.result(timeout=300).token_ids for h in handles] == expected
+        assert engine.accepted_tokens > 0
+        assert engine.calls < 12  # one token a call would take 16 or more
 
 
 def log_softmax(x):

@@ -368,7 +368,9 @@ def test_bfloat16_embedding_rows_gather_without_a_copy_of_the_table(tied):
     table = 2 * vocab * hidden
     whole = re.compile(rf"= \w+\[{vocab},{hidden}\]\S* (bitcast-convert|convert|copy)\(")
     for name, stats in plan.executables.items():
-        assert stats.temp < table / 4, (name, stats.temp)
+        # Beside the logits, the loop's rows hold a few arrays of the vocabulary's size (tokens
+        # seen and counted, stop tokens): far from a copy of the table.
+        assert stats.temp < table / 2, (name, stats.temp)
         assert not whole.search(plan.compiled[name].as_text()), name
 
 

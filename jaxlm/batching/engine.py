@@ -222,7 +222,7 @@ class LLMEngine:
                 return True
             requests = {c.seq.id: self._handles[c.seq.id]._req for c in batch.chunks}
             logprobs = {i for i in requests if self._handles[i].logprobs is not None}
-            if batch.steps > 1 and any(_one_step(self._handles[i]) for i in requests):
+            if batch.steps > 1 and any(self._handles[i]._matcher is not None for i in requests):
                 # Its pages for the steps not run serve the next calls.
                 batch = dataclasses.replace(batch, steps=1)
             mask = self._fill_masks(batch)
@@ -392,12 +392,11 @@ class LLMEngine:
         and a full queue `QueueFullError`. `on_update` is called from the engine's thread
         whenever the handle has new deltas or has ended; it must not block. Requests submitted
         with one `group` (the choices of one HTTP request) share the batch's slots with other
-        groups as one (see `Scheduler`). A request with a grammar (`response_format`) or either
-        penalty runs one decode step a call.
+        groups as one (see `Scheduler`). A request with a grammar (`response_format`) runs one
+        decode step a call.
 
         `speculative` (`"engine"`: the engine's way) drafts tokens the engine's way (`"ngram"`,
-        or its draft model), or not (None); a request with a grammar or any penalty does not
-        draft.
+        or its draft model), or not (None); a request with a grammar does not draft.
 
         Example:
             >>> h = engine.submit("JSON: ", max_new_tokens=64, response_format=MyModel)
@@ -438,10 +437,8 @@ class LLMEngine:
         seq = self.scheduler.submit(req.prompts[0], req.max_new_tokens, group)
         handle = RequestHandle(self, seq, req, self.tokenizer, on_update)
         handle._matcher = grammar[1]
-        # Drafts would need the host's mask or counts at every position: such rows do not.
-        handle._drafts = drafts and not (
-            _one_step(handle) or req.sampling["repetition_penalty"][0] != 1.0
-        )
+        # Drafts would need the host's mask at every position: such rows do not.
+        handle._drafts = drafts and handle._matcher is None
         self._handles[seq.id] = handle
         return handle
 
@@ -488,12 +485,3 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _one_step(handle: RequestHandle) -> bool:
-    """Whether a request's next token depends on the host after each step: a grammar's mask
-    does, and the counts of its tokens that the penalties read."""
-    req = handle._req
-    return handle._matcher is not None or bool(
-        req.params.presence_penalty or req.params.frequency_penalty
-    )

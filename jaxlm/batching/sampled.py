@@ -80,15 +80,28 @@ def sample_positions(logits, x, generated, seen, counts):
     return tuple(o.reshape(r, k, *o.shape[1:]) for o in out)
 
 
-def sample_drafts(logits, x, generated, rows):
-    """`sample_positions` at a chunk of drafts of each of `rows` (indices into `x`'s rows).
+def sample_drafts(logits, x, generated, row, ids, seen, counts):
+    """`sample_positions` at a chunk of one row (`row` `[1]`, an index into `x`'s rows):
+    `logits` `[1, K, V]` after each of the chunk's tokens `ids` `[K]`, its last token and its
+    drafts. Each position is penalized by the row's tokens `seen` and generated tokens'
+    `counts` (`[V]` each, its last token in them) and by the drafts up to it."""
+    picked = {name: jax.tree.map(lambda a: a[row], x[name]) for name in _PER_ROW}
+    k, v = ids.shape[0], logits.shape[-1]
 
-    A row that drafts has no penalty (the engine keeps those rows from drafting), so the
-    penalties' stages skip it and read no tokens seen."""
-    picked = {name: jax.tree.map(lambda a: a[rows], x[name]) for name in _PER_ROW}
-    r, k, v = logits.shape
-    none = lambda: jnp.zeros((r * k, v), jnp.int32)
-    return sample_positions(logits, {**x, **picked}, generated, lambda: none() > 0, none)
+    def drafted():
+        # [K, V]: the drafts up to each position.
+        j = jnp.arange(k)
+        upto = (j[None, :] >= 1) & (j[None, :] <= j[:, None])
+        at = jnp.where(upto, ids[None, :], v)
+        return jnp.zeros((k, v), jnp.int32).at[j[:, None], at].add(1, mode="drop")
+
+    return sample_positions(
+        logits,
+        {**x, **picked},
+        generated,
+        lambda: seen[None] | (drafted() > 0),
+        lambda: counts[None] + drafted(),
+    )
 
 
 def _draw(logits, penalized, params, keys, generated, logprobs):

@@ -70,7 +70,7 @@ class SequenceState:
     # preemptions, and how many of `pages` are published.
     keys: list[int] = dataclasses.field(default_factory=list)
     published: int = 0
-    # With drafts (`jaxlm.batching.drafting`): the tokens to wait before drafting again, the
+    # With drafts (`jaxlm.batching.loop`): the tokens to wait before drafting again, the
     # wait after the next chunk that keeps no draft, and the tokens whose keys and values a
     # draft model's pages hold.
     draft_wait: int = 0

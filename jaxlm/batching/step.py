@@ -6,7 +6,7 @@ several sequences padded to one of a few widths, as many as a power of two up to
 `max_num_batched_tokens` holds at that width (`Shape`), samples the next token of every row
 that has reached its end, and returns the pages updated in place. A step of decode tokens alone
 (`Shape(0, 0)`) runs up to `decode_steps` steps in a `while_loop`, each feeding back the tokens
-it sampled; with prompt-lookup drafts (`Shape(0, 0, drafts)`, `jaxlm.batching.drafting`), a step
+it sampled; with prompt-lookup drafts (`Shape(0, 0, drafts)`, `jaxlm.batching.loop`), a step
 may also run one row's last token and drafts as a chunk beside the others' tokens. While only
 the first slot runs, decode steps run that row alone (`Shape(0, 0, drafts, rows=1)`): a step of
 every slot's column costs one sequence twice what its own column does.
@@ -35,15 +35,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm.batching.drafting import decode_with_drafts, forward
-from jaxlm.batching.sampled import MAX_LOGIT_BIAS, PACKED, pack, sample
+from jaxlm.batching import loop
+from jaxlm.batching.loop import forward
+from jaxlm.batching.sampled import MAX_LOGIT_BIAS, pack, sample
 from jaxlm.batching.scheduler import Batch, SequenceState
 from jaxlm.generator import SAMPLING_FIELDS, compile_side_by_side
 from jaxlm.requests import Request
 
 _SAMPLING_DTYPES = {"top_k": np.int32}
 # A step with drafts takes these of each row.
-_DRAFT_COUNTS = ("limit", "wait", "backoff", "draft_len")
+_DRAFT_COUNTS = ("limit", *loop.COUNTS)
 
 
 class Shape(NamedTuple):
@@ -140,7 +141,7 @@ class Steps:
         draft_cost=None,
         mesh=None,
     ):
-        # With a draft model (`draft_cost`, its bytes over the model's: `drafting.busiest`),
+        # With a draft model (`draft_cost`, its bytes over the model's: `loop.busiest`),
         # `graphdef` is of the model and the draft model, as a pair.
         self._graphdef, self.draft_cost = graphdef, draft_cost
         self.mesh = mesh
@@ -208,8 +209,8 @@ class Steps:
             keys=sds((rows, 2), jnp.uint32),
             generated=sds((rows,), jnp.int32),
             seen=sds((rows, vocab), jnp.bool_),
-            # OpenAI's penalties over each row's generated tokens (a row with either runs one
-            # step a call: `counts` is not fed back), and its `logit_bias`.
+            # The counts of each row's generated tokens that OpenAI's penalties read, and its
+            # `logit_bias`.
             penalties=dict(presence=sds((rows,), jnp.float32), frequency=sds((rows,), jnp.float32)),
             counts=sds((rows, vocab), jnp.int32),
             bias_ids=sds((rows, MAX_LOGIT_BIAS), jnp.int32),
@@ -242,8 +243,7 @@ class Steps:
         lowered = {}
         for shape in self.layouts if shapes is None else shapes:
             layout = self.layouts[shape]
-            run = self._run_decode_drafts if shape.drafts else self._run_decode
-            run = functools.partial(self._run if shape.width else run, layout)
+            run = functools.partial(self._run if shape.width else self._run_decode, layout)
             spec = layout.spec
             if self.shards > 1:
                 run = self._over_shards(run)
@@ -254,6 +254,12 @@ class Steps:
             fn = jax.jit(run, donate_argnums=1)
             lowered[shape] = fn.lower(state, pages, spec)
         return compile_side_by_side(lowered)
+
+    def _together(self, p):
+        # The model's collectives in a loop wait for every shard (`loop.decode`).
+        if self.shards == 1:
+            return p
+        return jax.lax.psum(p.astype(jnp.int32), "data") > 0
 
     def _over_shards(self, run):
         # The input buffer, a row a shard, and the output stay whole on every device, so that
@@ -293,37 +299,33 @@ class Steps:
 
     def _run_decode(self, layout, state, pages, buf):
         # Up to `steps` decode steps, each feeding back the tokens it sampled, until a row
-        # samples one of its `stops` [rows, vocab].
+        # samples one of its `stops` [rows, vocab]; with drafts, rows run ahead where they draft.
         x = layout.unpack(buf)
-        model = self._models(state)[0]
-        decode, stops = x["decode"], x["stops"]
-        rows = decode["positions"].shape[0]
-        live = decode["positions"][:, 0] >= 0
-        # Steps not run keep token -1 (`unpack`).
-        out = jnp.full((self.decode_steps, rows, PACKED), -1, jnp.int32)
-
-        def step(carry):
-            i, pages, ids, positions, generated, seen, out, _ = carry
-            group = {**decode, "input_ids": ids[:, None], "positions": positions[:, None]}
-            (logits,), pages = forward(model, [group], pages)
-            sampled = sample(logits, x, generated, lambda: seen, lambda: x["counts"])
-            token = sampled[0]
-            out = out.at[i].set(pack(sampled))
-            stopped = jnp.any(live & stops[jnp.arange(rows), token])
-            positions = jnp.where(live, positions + 1, -1)
-            seen = seen.at[jnp.arange(rows), token].set(True)
-            return i + 1, pages, token, positions, generated + 1, seen, out, stopped
-
-        ids, positions = decode["input_ids"][:, 0], decode["positions"][:, 0]
-        carry = (jnp.int32(0), pages, ids, positions, x["generated"], x["seen"], out, jnp.bool_(0))
-        carry = jax.lax.while_loop(lambda c: (c[0] < x["steps"]) & ~c[-1], step, carry)
-        return self._pin(carry[1]), carry[6]
-
-    def _run_decode_drafts(self, layout, state, pages, buf):
-        sizes = dict(drafts=self.drafts, decode_steps=self.decode_steps, vocab_size=self.vocab_size)
-        sizes["draft_cost"] = self.draft_cost or 0.0
-        pages, out = decode_with_drafts(self._models(state), layout.unpack(buf), pages, **sizes)
-        return self._pin(pages), out
+        decode = x["decode"]
+        drafts = self.drafts if "history" in x else 0
+        rows, most = decode["positions"].shape[0], self.decode_steps + drafts
+        more = {"history": x["history"]} if drafts else {}
+        c = loop.carry(
+            pages,
+            decode["input_ids"][:, 0],
+            decode["positions"][:, 0],
+            x["seen"],
+            x["counts"],
+            {name: x[name] for name in loop.COUNTS} if drafts else None,
+            drafts,
+            out=loop.new_out(rows, most),
+            **more,
+        )
+        c = loop.decode(
+            self._models(state),
+            x,
+            c,
+            drafts=drafts,
+            most=most,
+            draft_cost=self.draft_cost or 0.0,
+            together=self._together,
+        )
+        return self._pin(c["pages"]), loop.out_of(c, most)
 
     # The host's side.
 

@@ -208,11 +208,12 @@ def test_batch_must_divide_over_data(saved):
 @pytest.mark.parametrize("mesh, drafter", [((2, 2), "llama_gqa4"), ((1, 4), "qwen2")], ids=str)
 def test_a_draft_model_on_the_mesh_gives_the_single_device_tokens(saved, single, mesh, drafter):
     def drafted(mesh):
+        # One prompt a call (beside the padding row of `data`), where a row drafts: beside
+        # others, a draft model costs more than it saves (`jaxlm.batching.loop.busiest`).
         model, _ = jaxlm.load(saved["llama_gqa4"], mesh=mesh)
         draft = model if drafter == "llama_gqa4" else jaxlm.load(saved[drafter], mesh=mesh)[0]
-        out = jaxlm.generate(
-            model, None, PROMPTS, max_new_tokens=12, stop_token_ids=[], speculative=draft
-        )
+        kw = dict(max_new_tokens=12, stop_token_ids=[], speculative=draft)
+        out = [jaxlm.generate(model, None, p, **kw)[0] for p in PROMPTS]
         return [o.token_ids for o in out], [(o.drafted_tokens, o.accepted_tokens) for o in out]
 
     tokens, counts = drafted(mesh)
