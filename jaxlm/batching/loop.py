@@ -221,11 +221,10 @@ def decode(
         # Single tokens until some shard's row drafts; the others then run plain steps beside.
         go = lambda c: together(jnp.any(c["active"])) & ~together(c["can"])
         c = ops.while_loop(go, single, c, most)
-        if drafts:
-            c = ops.while_loop(lambda c: together(c["can"]), chunk, c, most)
-        return c
+        return ops.while_loop(lambda c: together(c["can"]), chunk, c, most)
 
-    c = ops.while_loop(lambda c: together(jnp.any(c["active"])), body, plan(c), most)
+    running = lambda c: together(jnp.any(c["active"]))
+    c = ops.while_loop(running, body if drafts else single, plan(c), most)
     for name in ("active", "can", "pick", "drafts"):
         c.pop(name, None)
     return c
