@@ -249,6 +249,7 @@ def decode_loop(models, scratch, params, stop, limit, mask=None, drafts=0):
 
 
 def _bytes(model) -> int:
+    """The bytes of `model`'s weights, traced or not: their ratio is the engine's `draft_cost`."""
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model)))
 
 
