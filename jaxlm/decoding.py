@@ -31,6 +31,7 @@ from jaxlm import stops
 from jaxlm.batching import loop
 from jaxlm.batching.sampled import sample
 from jaxlm.memory import ScratchSpec
+from jaxlm.sharding import weights_bytes
 
 # The most slots of a page in `generate`'s plans: a row's pages are its own, so large pages only
 # make the gather of a row's keys and values cheaper, down to the 256 slots attention reads at
@@ -242,15 +243,10 @@ def decode_loop(models, scratch, params, stop, limit, mask=None, drafts=0):
     model, draft = models if isinstance(models, tuple) else (models, None)
     x = _inputs(model, scratch, params, stop, limit, mask)
     c = _carry(model, scratch, x, drafts)
-    cost = 0.0 if draft is None else _bytes(draft) / _bytes(model)
+    cost = 0.0 if draft is None else weights_bytes(draft) / weights_bytes(model)
     most = scratch["decode"]["tokens"].shape[1]
     c = loop.decode((model, draft), x, c, drafts=drafts, most=most, draft_cost=cost, halt=False)
     return _store(scratch, c)
-
-
-def _bytes(model) -> int:
-    """The bytes of `model`'s weights, traced or not: their ratio is the engine's `draft_cost`."""
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model)))
 
 
 def prefill_step(model, scratch, prompt, lengths):

@@ -34,7 +34,7 @@ from jaxlm.memory import (
     declarations,
     set_path,
 )
-from jaxlm.sharding import Partitioner, mesh_of, shard_bytes
+from jaxlm.sharding import Partitioner, mesh_of
 
 DEFAULT_PREFILL_CHUNK = 512
 STOP_IDS_BUCKET = 8
@@ -178,11 +178,6 @@ def forget(model: nnx.Module) -> None:
         _GENERATORS.pop(model, None)
         for generator in _GENERATORS.values():
             generator.drafted.pop(model, None)
-
-
-def weights_bytes(model: nnx.Module) -> int:
-    """Bytes of parameters each device holds (all of them on a single device)."""
-    return sum(shard_bytes(x) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def compile_steps(

@@ -20,7 +20,6 @@ from jaxlm.generator import (
     Generator,
     compile_steps,
     generator_of,
-    weights_bytes,
 )
 from jaxlm.memory import (
     ExecutableMemory,
@@ -31,6 +30,7 @@ from jaxlm.memory import (
     resident_bytes,
 )
 from jaxlm.ops import platform, storage_dtype
+from jaxlm.sharding import weights_bytes
 from jaxlm.speculative import check_draft, check_weights, drafts_of
 
 

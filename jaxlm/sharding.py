@@ -166,6 +166,11 @@ def shard_bytes(x) -> int:
     return math.prod(shape) * np.dtype(x.dtype).itemsize
 
 
+def weights_bytes(model: nnx.Module) -> int:
+    """Bytes of the parameters each device holds (all of them on a single device)."""
+    return sum(shard_bytes(x) for x in jax.tree.leaves(nnx.state(model)))
+
+
 def shard(model: nnx.Module, mesh: Mesh | Sequence[int]) -> nnx.Module:
     """`model` with its parameters split over `mesh` (a `Mesh` or a shape `(data, model)`).
 

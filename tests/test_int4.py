@@ -13,10 +13,10 @@ from test_int8 import Q8_0_KLD, Q8_0_TOP1
 
 import jaxlm
 from jaxlm.bench.quality import QUALITY_TEXT, divergence
-from jaxlm.generator import weights_bytes
 from jaxlm.kernels import int4
 from jaxlm.layers import Embedding, Linear
 from jaxlm.models import model_class
+from jaxlm.sharding import weights_bytes
 
 Q = gguf.GGMLQuantizationType
 

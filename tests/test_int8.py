@@ -18,9 +18,9 @@ from test_gguf import TINY, random_blocks, tiny_llama_tensors, write_gguf
 import jaxlm
 from jaxlm import ops
 from jaxlm.bench.quality import QUALITY_TEXT, divergence
-from jaxlm.generator import weights_bytes
 from jaxlm.loading import checkpoint_tensors
 from jaxlm.models import model_class
+from jaxlm.sharding import weights_bytes
 
 # llama.cpp's own `Q8_0` of SmolLM2 against its F32 copy, over 381 tokens of such text: the
 # bar jaxlm's int8 of the shipped file must clear.

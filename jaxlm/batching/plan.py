@@ -16,11 +16,10 @@ from flax import nnx
 from jaxlm.batching import step
 from jaxlm.bill import Bill
 from jaxlm.errors import PlanError
-from jaxlm.generator import weights_bytes
 from jaxlm.memory import ExecutableMemory, Layout, declarations, format_bytes, parse_bytes
 from jaxlm.ops import storage_dtype
 from jaxlm.requests import is_int
-from jaxlm.sharding import Partitioner, check_data_divides, mesh_of
+from jaxlm.sharding import Partitioner, check_data_divides, mesh_of, weights_bytes
 from jaxlm.speculative import check_draft, check_weights, drafts_of
 
 # Page 0 pads every table (`jaxlm.batching.pages.PADDING_PAGE`), so a plan has at least two.

@@ -160,8 +160,8 @@ def run(args) -> dict:
     import jax.numpy as jnp
 
     import jaxlm
-    from jaxlm.generator import weights_bytes
     from jaxlm.loading import default_model_path
+    from jaxlm.sharding import weights_bytes
 
     # The baseline is the process once JAX is up: its CPU backend started and one executable
     # compiled and run, whose compiler and runtime pages every JAX program pays before a model
