@@ -16,7 +16,8 @@ from flax import nnx
 
 import jaxlm
 from jaxlm.batching.engine import LLMEngine
-from jaxlm.batching.step import HostPack, Shape
+from jaxlm.batching.hostpack import HostPack
+from jaxlm.batching.step import Shape
 from jaxlm.errors import PlanError
 
 # An engine of two sequences whose steps hold a prompt chunk of 16 tokens at most: its few

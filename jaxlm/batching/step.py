@@ -24,7 +24,6 @@ of the input buffer, and the shards' outputs come back side by side, rows in slo
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -36,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.batching import loop
+from jaxlm.batching.hostpack import HostPack, zeros
 from jaxlm.batching.loop import forward
 from jaxlm.batching.sampled import MAX_LOGIT_BIAS, pack, sample
 from jaxlm.batching.scheduler import Batch, SequenceState
@@ -64,61 +64,6 @@ class Shape(NamedTuple):
         if not self.width:
             return f"decode{of}"
         return f"chunk of {self.width}" + (f" x{self.chunks}" if self.chunks > 1 else "")
-
-
-def _zeros(shape, dtype=np.int32) -> np.ndarray:
-    """Zeros made without letting the GIL go. NumPy lets it go to zero more than 1 KiB, and its
-    copies of more than 500 values; taking it back beside a busy Python thread waits out the
-    switch interval each time (`docs/performance.md`, "The engine's thread and the GIL")."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    return np.frombuffer(bytearray(size), dtype).reshape(shape)
-
-
-class HostPack:
-    """A pytree of arrays of fixed shapes as one byte buffer: `pack` it on the host, `unpack` it
-    inside the jitted function that takes `spec`."""
-
-    def __init__(self, tree):
-        leaves, self._treedef = jax.tree.flatten(tree)
-        self._fields, offset = [], 0
-        for leaf in leaves:
-            dtype = np.dtype(leaf.dtype)
-            self._fields.append((offset, leaf.shape, dtype))
-            # Each field starts on 4 bytes, so that it bitcasts from an aligned slice.
-            offset += -(-math.prod(leaf.shape) * dtype.itemsize // 4) * 4
-        self.spec = jax.ShapeDtypeStruct((offset,), jnp.uint8)
-
-    def pack(self, *trees) -> np.ndarray:
-        """One tree as a buffer, or several as its rows."""
-        size = self.spec.shape[0]
-        # Copied through a memoryview, which keeps the GIL (see `_zeros`).
-        buf = bytearray(size * len(trees))
-        view = memoryview(buf)
-        for i, tree in enumerate(trees):
-            leaves = jax.tree.leaves(tree)
-            for (offset, shape, dtype), leaf in zip(self._fields, leaves, strict=True):
-                data = np.asarray(leaf, dtype)
-                if data.shape != shape:
-                    raise ValueError(f"a field of shape {shape} got an array of {data.shape}")
-                start = i * size + offset
-                view[start : start + data.nbytes] = np.ascontiguousarray(data.reshape(-1)).view(
-                    np.uint8
-                )
-        out = np.frombuffer(buf, np.uint8)
-        return out if len(trees) == 1 else out.reshape(len(trees), size)
-
-    def unpack(self, buf: jax.Array):
-        leaves = []
-        for offset, shape, dtype in self._fields:
-            data = buf[offset : offset + math.prod(shape) * dtype.itemsize]
-            if dtype == np.bool_:
-                data = data != 0
-            elif dtype.itemsize > 1:
-                data = jax.lax.bitcast_convert_type(data.reshape(-1, dtype.itemsize), dtype)
-            else:
-                data = jax.lax.bitcast_convert_type(data, dtype)
-            leaves.append(data.reshape(shape))
-        return self._treedef.unflatten(leaves)
 
 
 class Steps:
@@ -430,7 +375,7 @@ class Steps:
             x["chunk"] = self._chunks(prefills, shape)
             return x
         x["steps"] = np.int32(steps)
-        x["stops"] = _zeros((rows, self.vocab_size), bool)
+        x["stops"] = zeros((rows, self.vocab_size), bool)
         for c in chunks:
             x["stops"][c.seq.slot, sorted(requests[c.seq.id].stop_ids)] = True
         if shape.drafts:
@@ -444,7 +389,7 @@ class Steps:
         `SequenceState.draft_wait`, `draft_backoff` and `draft_len`."""
         rows = self.rows
         out = dict(
-            history=_zeros((rows, self.pages_per_seq * self.page_size)),
+            history=zeros((rows, self.pages_per_seq * self.page_size)),
             drafting=np.zeros((rows,), bool),
             **{n: np.zeros((rows,), np.int32) for n in _DRAFT_COUNTS},
         )
