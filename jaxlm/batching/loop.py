@@ -282,17 +282,32 @@ def record(x, c, sampled, n, drafted=0):
     }
 
 
-def carry(pages, ids, pos, seen, counts, counts_in=None, drafts=0, **more):
+def carry(
+    pages,
+    ids,
+    pos,
+    *,
+    seen,
+    counts,
+    drafts=0,
+    carried=None,
+    history=None,
+    origin=None,
+    out=None,
+    tail=None,
+):
     """`decode`'s carry of rows whose last tokens are `ids` at positions `pos`, with the tokens
-    each has seen (`[rows, vocab]` bool) and its generated tokens' `counts`; `counts_in`, each
-    row's `wait`, `backoff` and `draft_len` (zeros without); `more`: `history` with its
-    `origin`, `out`, `tail`."""
+    each has seen (`[rows, vocab]` bool) and its generated tokens' `counts`; `carried`, each
+    row's `COUNTS` from the call before (zeros without); `history`, each row's tokens (row `r`'s
+    position `p` at `p + origin[r]`), `out` (`new_out`) and `tail`, where the caller has them."""
     rows = pos.shape[0]
     zeros = jnp.zeros((rows,), jnp.int32)
-    counts_in = counts_in or {name: zeros for name in COUNTS}
-    c = dict(pages=pages, ids=ids, pos=pos, seen=seen, counts=counts, **counts_in, **more)
+    carried = carried or {name: zeros for name in COUNTS}
+    c = dict(pages=pages, ids=ids, pos=pos, seen=seen, counts=counts, **carried)
+    optional = dict(history=history, out=out, tail=tail)
+    c.update({name: a for name, a in optional.items() if a is not None})
     c.update(count=zeros, done=jnp.zeros((rows,), bool), drafted=zeros, accepted=zeros)
-    c.setdefault("origin", zeros)
+    c["origin"] = zeros if origin is None else origin
     c["drafts"] = jnp.zeros((rows, drafts), jnp.int32)
     return c
 

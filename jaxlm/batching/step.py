@@ -249,17 +249,16 @@ class Steps:
         decode = x["decode"]
         drafts = self.drafts if "history" in x else 0
         rows, most = decode["positions"].shape[0], self.decode_steps + drafts
-        more = {"history": x["history"]} if drafts else {}
         c = loop.carry(
             pages,
             decode["input_ids"][:, 0],
             decode["positions"][:, 0],
-            x["seen"],
-            x["counts"],
-            {name: x[name] for name in loop.COUNTS} if drafts else None,
-            drafts,
+            seen=x["seen"],
+            counts=x["counts"],
+            drafts=drafts,
+            carried={name: x[name] for name in loop.COUNTS} if drafts else None,
+            history=x["history"] if drafts else None,
             out=loop.new_out(rows, most),
-            **more,
         )
         c = loop.decode(
             self._models(state),
