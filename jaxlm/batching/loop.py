@@ -235,12 +235,17 @@ def _tail(x, text, token, n):
     appended, and where a stop string of `x["strings"]` ends at each of them."""
 
     def advance(text):
-        ends = []
-        for j in range(token.shape[1]):
+        # A loop over the columns, not one copy of the check each: a chunk's columns compiled
+        # the check as many times.
+        def column(text, j):
             new, end = stops.advance(text, token[:, j], x["strings"], x["table"], x["lengths"])
-            text = jnp.where((j < n)[:, None], new, text)
-            ends.append(end)
-        return text, jnp.stack(ends, axis=1)
+            return jnp.where((j < n)[:, None], new, text), end
+
+        if token.shape[1] == 1:
+            text, end = column(text, 0)
+            return text, end[:, None]
+        text, ends = jax.lax.scan(column, text, jnp.arange(token.shape[1]))
+        return text, ends.T
 
     unmatched = lambda text: (text, jnp.zeros(token.shape, bool))
     return jax.lax.cond(jnp.any(x["strings"] >= 0), advance, unmatched, text)
