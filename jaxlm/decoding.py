@@ -3,12 +3,11 @@
 them as steps).
 
 The rows keep their state in the `"decode"` part of the scratch:
-- `tokens[b, s]` is the token at slot `s` of row `b`. Prompts are left-padded to a shared length
-  `P`; row `b`'s prompt starts at slot `start[b]`, and slot `s` is its position `s - start[b]`.
-  Generated tokens go to slots `P, P + 1, ...`; row `b` has sampled `sampled[b]` of them (its
-  stop token, and a chunk's tokens past the `limit`, among them: the host cuts them). The last
-  has not been fed to the model yet.
-- `index` is the slot the prefill (and a plan's raw steps) runs next.
+- `tokens[b, p]` is the token at position `p` of row `b`, as in the engine's rows: its prompt of
+  `prompt_len[b]` tokens, then its generated tokens; row `b` has sampled `sampled[b]` of them
+  (its stop token, and a chunk's tokens past the `limit`, among them: the host cuts them). The
+  last has not been fed to the model yet.
+- `index` counts the tokens a plan's raw decode steps ran after the prompts.
 - `done[b]` is set once a stop token is sampled or a stop string is complete.
 - `rng[b]` is row `b`'s key; the key of its `n`-th token is `fold_in(rng[b], n)`, so a row's
   samples depend neither on the other rows nor on how a stream is cut into chunks.
@@ -44,14 +43,13 @@ class DecodeState(nnx.Module):
 
     def __init__(self):
         self.tokens = ScratchSpec(
-            ("batch", "seq"), jnp.int32, axes=("batch", None), doc="token at each slot"
+            ("batch", "seq"), jnp.int32, axes=("batch", None), doc="token at each position"
         )
-        self.start = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="row's first slot")
-        self.index = ScratchSpec((), jnp.int32, doc="slot of the next token to run")
+        self.prompt_len = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="prompt length")
+        self.index = ScratchSpec((), jnp.int32, doc="raw decode steps run")
         self.rng = ScratchSpec(("batch", 2), jnp.uint32, axes=("batch", None), doc="PRNG key")
         self.done = ScratchSpec(("batch",), jnp.bool_, axes=("batch",), doc="stop token seen")
         self.sampled = ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc="tokens sampled")
-        self.prompt_end = ScratchSpec((), jnp.int32, doc="slot of the first generated token")
         self.tail = ScratchSpec(
             ("batch", stops.TAIL), jnp.int32, axes=("batch", None), doc="last bytes of the text"
         )
@@ -63,23 +61,12 @@ class DecodeState(nnx.Module):
             setattr(self, name, ScratchSpec(("batch",), jnp.int32, axes=("batch",), doc=name))
 
 
-def _forward(model, scratch, ids, last):
-    """Run `ids` `[B, T]`, the tokens of slots `index ..` of every row, over the rows' pages;
-    returns the logits of column `last` (of every column where `last` is None) and the scratch
-    with the pages written and `index` advanced. Row `b`'s slot `s` is position `s - start[b]`
-    (negative: padding, not written)."""
-    d = scratch["decode"]
-    b, t = ids.shape
-    positions = d["index"] + jnp.arange(t, dtype=jnp.int32)[None, :] - d["start"][:, None]
-    group = dict(
-        input_ids=ids,
-        positions=jnp.where(positions >= 0, positions, -1),
-        table=_table(scratch),
-        last=None if last is None else jnp.full((b,), last, jnp.int32),
-    )
+def _forward(model, scratch, ids, positions, last):
+    """Run `ids` `[B, T]` at `positions` (-1: padding, not written) over the rows' pages; returns
+    the logits of each row's column `last` `[B]` and the scratch with the pages written."""
+    group = dict(input_ids=ids, positions=positions, table=_table(scratch), last=last)
     (logits,), cache = model.forward_paged([group], {"model": scratch["model"]})
-    decode = {**d, "index": d["index"] + t}
-    return logits, {**scratch, **cache, "decode": decode}
+    return logits, {**scratch, **cache}
 
 
 def _table(scratch):
@@ -99,19 +86,25 @@ def page_count(batch: int, seq: int) -> tuple[int, int]:
 
 
 def _reset_and_prefill(model, scratch, prompt, lengths, chunk):
-    """Reset the rows to the left-padded `prompt` [B, P] and run it in chunks of `chunk`."""
+    """Reset the rows to `prompt` `[B, P]` (row `b`'s first `lengths[b]` tokens) and run it in
+    chunks of `chunk`; returns the scratch and each row's logits of its last token."""
     b, p = prompt.shape
-    d = {**scratch["decode"], "index": jnp.int32(0), "start": (p - lengths).astype(jnp.int32)}
+    d = {**scratch["decode"], "index": jnp.int32(0), "prompt_len": lengths.astype(jnp.int32)}
     state = {**scratch, "decode": d}
-    n_chunks = p // chunk
+    last = lengths - 1
+    columns = jnp.arange(chunk, dtype=jnp.int32)
 
     def run(i, carry):
-        state, _ = carry
-        ids = jax.lax.dynamic_slice(prompt, (0, i * chunk), (b, chunk))
-        logits, state = _forward(model, state, ids, chunk - 1)
-        return state, logits
+        state, logits = carry
+        at = i * chunk
+        ids = jax.lax.dynamic_slice(prompt, (0, at), (b, chunk))
+        positions = jnp.where(at + columns < lengths[:, None], at + columns, -1)
+        new, state = _forward(model, state, ids, positions, jnp.clip(last - at, 0, chunk - 1))
+        # A row's logits come from the chunk that holds its last token.
+        return state, jnp.where(((last >= at) & (last < at + chunk))[:, None], new, logits)
 
     logits0 = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    n_chunks = p // chunk
     if n_chunks == 1:
         return run(0, (state, logits0))
     return jax.lax.fori_loop(0, n_chunks, run, (state, logits0))
@@ -124,7 +117,7 @@ def _inputs(model, scratch, params, stop, limit, mask):
     d = scratch["decode"]
     b, s = d["tokens"].shape
     vocab = model.config.vocab_size
-    position = _last(d) - d["start"]
+    position = _last(d)
     ids = jnp.where(stop["ids"] >= 0, stop["ids"], vocab)
     return dict(
         params,
@@ -140,18 +133,18 @@ def _inputs(model, scratch, params, stop, limit, mask):
         steps=limit - d["sampled"],
         stops=jnp.zeros((b, vocab), bool).at[:, ids].set(True, mode="drop"),
         drafting=jnp.ones((b,), bool),
-        limit=s - d["start"],
+        limit=jnp.full((b,), s, jnp.int32),
         **stop,
     )
 
 
 def _last(d):
-    """Each row's slot of its last token: the last of its prompt before it samples any."""
-    return d["prompt_end"] + d["sampled"] - 1
+    """Each row's position of its last token: the last of its prompt before it samples any."""
+    return d["prompt_len"] + d["sampled"] - 1
 
 
 def _counts(tokens, first, end, vocab):
-    """Each row's tokens from slot `first` up to slot `end` (`[B]` each), counted: `[B, V]`."""
+    """Each row's tokens from position `first` up to `end` (`[B]` each), counted: `[B, V]`."""
     every = jnp.arange(tokens.shape[1])
     valid = (every >= first[:, None]) & (every < end[:, None])
     ids = jnp.where(valid, tokens, vocab)
@@ -166,29 +159,28 @@ def _carry(model, scratch, x, drafts):
     d = scratch["decode"]
     b = d["tokens"].shape[0]
     vocab = model.config.vocab_size
-    last, prompt_end = _last(d), jnp.broadcast_to(d["prompt_end"], (b,))
+    last = _last(d)
     penalties = x["penalties"]
     seen = jax.lax.cond(
         jnp.any(x["params"]["repetition_penalty"] != 1.0),
-        lambda: _counts(d["tokens"], d["start"], last + 1, vocab) > 0,
+        lambda: _counts(d["tokens"], jnp.zeros((b,), jnp.int32), last + 1, vocab) > 0,
         lambda: jnp.zeros((b, vocab), bool),
     )
     counts = jax.lax.cond(
         jnp.any((penalties["presence"] != 0) | (penalties["frequency"] != 0)),
-        lambda: _counts(d["tokens"], prompt_end, last + 1, vocab),
+        lambda: _counts(d["tokens"], d["prompt_len"], last + 1, vocab),
         lambda: jnp.zeros((b, vocab), jnp.int32),
     )
     pages = {name: scratch[name] for name in ("model", "draft") if name in scratch}
     return loop.carry(
         pages,
         d["tokens"][jnp.arange(b), last],
-        last - d["start"],
+        last,
         seen=seen,
         counts=counts,
         drafts=drafts,
         carried={name: d[name] for name in loop.COUNTS},
         history=d["tokens"],
-        origin=d["start"],
         tail=d["tail"],
     )
 
@@ -213,7 +205,7 @@ def start(model, scratch, prompt, lengths, rng, params, stop, chunk, mask=None):
     """Prefill the prompts and sample each row's first token (among those `mask` allows); a
     row of no prompt (`lengths` 0: padding) is done."""
     scratch, logits = _reset_and_prefill(model, scratch, prompt, lengths, chunk)
-    b, p = prompt.shape
+    b = prompt.shape[0]
     d = scratch["decode"]
     zeros = jnp.zeros((b,), jnp.int32)
     d = {
@@ -222,7 +214,6 @@ def start(model, scratch, prompt, lengths, rng, params, stop, chunk, mask=None):
         "rng": rng,
         "done": lengths == 0,
         "sampled": zeros,
-        "prompt_end": jnp.int32(p),
         "tail": jnp.full(d["tail"].shape, -1, jnp.int32),
         **{name: zeros for name in ("drafted", "accepted", "wait", "draft_len")},
         "backoff": zeros + 1,
@@ -255,8 +246,10 @@ def prefill_step(model, scratch, prompt, lengths):
 
 
 def decode_step(model, scratch, tokens):
-    logits, scratch = _forward(model, scratch, tokens[:, None], 0)
-    return scratch, logits
+    d = scratch["decode"]
+    positions = (d["prompt_len"] + d["index"])[:, None]
+    logits, scratch = _forward(model, scratch, tokens[:, None], positions, jnp.zeros_like(tokens))
+    return {**scratch, "decode": {**d, "index": d["index"] + 1}}, logits
 
 
 def _generate(models, scratch, prompt, lengths, rng, params, stop, limit, chunk, drafts=0):

@@ -76,7 +76,7 @@ def _inputs(req: Request, batch: int, p: int, vocab_size: int) -> dict:
     prompt = np.zeros((batch, p), np.int32)
     lengths = np.zeros((batch,), np.int32)
     for i, ids in enumerate(req.prompts):
-        prompt[i, p - len(ids) :] = ids
+        prompt[i, : len(ids)] = ids
         lengths[i] = len(ids)
     # Padding rows (no prompt) copy row 0's settings; they are done from the start.
     sampling = {
@@ -121,8 +121,11 @@ def _read_rows(scratch, req: Request) -> tuple[np.ndarray, np.ndarray, np.ndarra
     `max_new_tokens`, and whether it stopped there (a chunk of drafts may sample past either,
     or past a stop string within them: the text's cut finds it)."""
     d, n = scratch["decode"], len(req.prompts)
-    start = int(_fetch(d["prompt_end"]))
-    tokens, sampled = _fetch(d["tokens"])[:n, start:], _fetch(d["sampled"])[:n]
+    tokens, sampled = _fetch(d["tokens"])[:n], _fetch(d["sampled"])[:n]
+    # Each row's generated tokens from its prompt's end on; past the last, what the slots held.
+    start = _fetch(d["prompt_len"])[:n, None]
+    at = np.minimum(start + np.arange(tokens.shape[1] - start.min()), tokens.shape[1] - 1)
+    tokens = np.take_along_axis(tokens, at, axis=1)
     counts = np.minimum(sampled, req.max_new_tokens)
     done = _fetch(d["done"])[:n] & (sampled <= req.max_new_tokens)
     for i in range(n):

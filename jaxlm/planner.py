@@ -218,8 +218,12 @@ class Plan(Bill):
         if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t:
             raise ValueError(f"`lengths` must be {b} values in [1, {t}], got {lengths.tolist()}")
         self.layout.check(scratch)
+        # The rows' positions start at their first slot, as the engine's do.
+        rows = np.zeros_like(prompt)
+        for i, n in enumerate(lengths):
+            rows[i, :n] = prompt[i, t - n :]
         scratch, logits = self.generator.prefill_step(
-            self.generator.params, scratch, self._pad_rows(prompt, 0), self._pad_rows(lengths, 1)
+            self.generator.params, scratch, self._pad_rows(rows, 0), self._pad_rows(lengths, 1)
         )
         return scratch, logits[:b]
 
@@ -231,8 +235,8 @@ class Plan(Bill):
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         self._check_batch(tokens.shape[0])
         self.layout.check(scratch)
-        index = int(scratch["decode"]["index"])
-        if index >= self.max_seq_len:
+        d = scratch["decode"]
+        if int(np.max(d["prompt_len"])) + int(d["index"]) >= self.max_seq_len:
             raise PlanError(f"the cache is full: `max_seq_len={self.max_seq_len}` tokens")
         scratch, logits = self.generator.decode_step(
             self.generator.params, scratch, self._pad_rows(tokens, 0)

@@ -2,7 +2,7 @@
 
 Shapes are bucketed so that new requests rarely compile:
 - the batch is padded to a power of two (1, 2, 4, 8, ...) rows;
-- prompts are left-padded to a power of two of at least 16 tokens (16, 32, 64, ...), and
+- prompts are padded to a power of two of at least 16 tokens (16, 32, 64, ...), and
   prompts longer than the plan's prefill chunk to a multiple of it;
 - `max_new_tokens` is rounded up to a power of two of at least 16 for the size of the cache;
   the loop itself stops at the exact number asked for, which is a traced value;

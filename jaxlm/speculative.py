@@ -112,11 +112,11 @@ def _where(mesh) -> str:
     return f"a mesh of {dict(mesh.shape)} over devices {[d.id for d in mesh.devices.flat]}"
 
 
-def propose(tokens, start, index, draft: int):
+def propose(tokens, index, draft: int):
     """Each row's `draft` next tokens by lookup, and whether it found any.
 
-    `tokens` `[B, S]` are the rows' slots, row `b`'s text from slot `start[b]` to slot
-    `index` (its last token; one slot for every row, or `[B]`). A row whose last `n` tokens
+    `tokens` `[B, S]` are the rows' slots, row `b`'s text up to slot `index` (its last token;
+    one slot for every row, or `[B]`). A row whose last `n` tokens
     occurred before, ending at slot `e - 1 < index`, drafts the tokens from slot `e` on; past
     `index`, where its text ends, it drafts the repeat that the occurrence implies (the tokens
     `index + 1 - e` slots back). Returns `(drafts [B, draft], found [B])`.
@@ -134,9 +134,9 @@ def propose(tokens, start, index, draft: int):
         for i in range(n):
             same &= tokens[:, i : windows + i] == suffix[:, i : i + 1]
         j = slots[:windows]
-        earlier = same & (j[None, :] >= start[:, None]) & (j[None, :] + n <= index[:, None])
+        earlier = same & (j[None, :] + n <= index[:, None])
         latest = jnp.max(jnp.where(earlier, j[None, :], -1), axis=1)
-        hit = (latest >= 0) & (index - n + 1 >= start) & ~found
+        hit = (latest >= 0) & (index - n + 1 >= 0) & ~found
         follow = jnp.where(hit, latest + n, follow)
         found |= hit
     period = jnp.maximum(index + 1 - follow, 1)

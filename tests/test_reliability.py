@@ -122,7 +122,7 @@ def live(chat=None) -> tuple[int, int]:
     """The number and bytes of live device buffers, without the plans' idle scratch if `chat`.
 
     Buffers, not arrays: JAX keeps a varying few extra array objects that alias scratch buffers
-    (the 0-d `prompt_end`, which the decode loop returns unchanged); they hold no memory.
+    (the 0-d `index`, which the decode loop returns unchanged); they hold no memory.
     """
     gc.collect()
     arrays = jax.live_arrays()

@@ -117,7 +117,7 @@ def decode(
     another; otherwise the others run on.
 
     `c`, the carry (`carry` makes it), holds the pages and each row's state, and optionally its
-    tokens (`history`, row `r`'s position `p` at `p + origin[r]`; drafts need them), its packed
+    tokens (`history`, row `r`'s position `p` at `[r, p]`; drafts need them), its packed
     samples (`out`, row `r`'s `i`-th at `[i, r]`) and the tail of its text (`tail`: it stops at
     `x["strings"]`, with `x["table"]` and `x["lengths"]`). Returns the carry at the end; no
     loop runs more than `most` times.
@@ -138,8 +138,7 @@ def decode(
         if not drafts:
             return c
         if draft is None:
-            at = c["pos"] + c["origin"]
-            proposed, found = propose(c["history"], c["origin"], at, drafts)
+            proposed, found = propose(c["history"], c["pos"], drafts)
         else:
             # The draft model drafts for any row, in `chunk`.
             proposed, found = c["drafts"], jnp.ones((rows,), bool)
@@ -173,8 +172,8 @@ def decode(
         if draft is None:
             proposed = c["drafts"][pick]
         else:
-            row, origin, end = c["history"][pick], c["origin"][pick], c["history"].shape[1] - 1
-            stored = lambda positions: row[jnp.minimum(positions + origin, end)]
+            row, end = c["history"][pick], c["history"].shape[1] - 1
+            stored = lambda positions: row[jnp.minimum(positions, end)]
             proposed, pages["draft"] = _draft_tokens(
                 draft, stored, table, pages["draft"], c["draft_len"][pick], pos, drafts, go
             )
@@ -269,7 +268,7 @@ def record(x, c, sampled, n, drafted=0):
         at = jnp.where(taken, c["count"][:, None] + j, c["out"].shape[0])
         c["out"] = c["out"].at[at, r[:, None]].set(packed, mode="drop")
     if "history" in c:
-        slot = c["origin"][:, None] + c["pos"][:, None] + 1 + j
+        slot = c["pos"][:, None] + 1 + j
         slot = jnp.where(taken, slot, c["history"].shape[1])
         c["history"] = c["history"].at[r[:, None], slot].set(token, mode="drop")
     counted = jnp.where(taken, token, c["seen"].shape[1])
@@ -297,14 +296,13 @@ def carry(
     drafts=0,
     carried=None,
     history=None,
-    origin=None,
     out=None,
     tail=None,
 ):
     """`decode`'s carry of rows whose last tokens are `ids` at positions `pos`, with the tokens
     each has seen (`[rows, vocab]` bool) and its generated tokens' `counts`; `carried`, each
-    row's `COUNTS` from the call before (zeros without); `history`, each row's tokens (row `r`'s
-    position `p` at `p + origin[r]`), `out` (`new_out`) and `tail`, where the caller has them."""
+    row's `COUNTS` from the call before (zeros without); `history`, each row's tokens by position,
+    `out` (`new_out`) and `tail`, where the caller has them."""
     rows = pos.shape[0]
     zeros = jnp.zeros((rows,), jnp.int32)
     carried = carried or {name: zeros for name in COUNTS}
@@ -312,7 +310,6 @@ def carry(
     optional = dict(history=history, out=out, tail=tail)
     c.update({name: a for name, a in optional.items() if a is not None})
     c.update(count=zeros, done=jnp.zeros((rows,), bool), drafted=zeros, accepted=zeros)
-    c["origin"] = zeros if origin is None else origin
     c["drafts"] = jnp.zeros((rows, drafts), jnp.int32)
     return c
 
