@@ -241,8 +241,7 @@ def decode_loop(models, scratch, params, stop, limit, mask=None, drafts=0):
 
 
 def prefill_step(model, scratch, prompt, lengths):
-    scratch, logits = _reset_and_prefill(model, scratch, prompt, lengths, prompt.shape[1])
-    return scratch, logits
+    return _reset_and_prefill(model, scratch, prompt, lengths, prompt.shape[1])
 
 
 def decode_step(model, scratch, tokens):

@@ -116,10 +116,10 @@ def propose(tokens, index, draft: int):
     """Each row's `draft` next tokens by lookup, and whether it found any.
 
     `tokens` `[B, S]` are the rows' slots, row `b`'s text up to slot `index` (its last token;
-    one slot for every row, or `[B]`). A row whose last `n` tokens
-    occurred before, ending at slot `e - 1 < index`, drafts the tokens from slot `e` on; past
-    `index`, where its text ends, it drafts the repeat that the occurrence implies (the tokens
-    `index + 1 - e` slots back). Returns `(drafts [B, draft], found [B])`.
+    one slot for every row, or `[B]`). A row whose last `n` tokens occurred before, ending at
+    slot `e - 1 < index`, drafts the tokens from slot `e` on; past `index`, where its text
+    ends, it drafts the repeat that the occurrence implies (the tokens `index + 1 - e` slots
+    back). Returns `(drafts [B, draft], found [B])`.
     """
     b, s = tokens.shape
     slots = jnp.arange(s, dtype=jnp.int32)

@@ -234,8 +234,8 @@ def _tail(x, text, token, n):
     appended, and where a stop string of `x["strings"]` ends at each of them."""
 
     def advance(text):
-        # A loop over the columns, not one copy of the check each: a chunk's columns compiled
-        # the check as many times.
+        # A loop over the columns: unrolled, each column compiled a copy of the check
+        # (`docs/performance.md`, "One decode loop").
         def column(text, j):
             new, end = stops.advance(text, token[:, j], x["strings"], x["table"], x["lengths"])
             return jnp.where((j < n)[:, None], new, text), end
