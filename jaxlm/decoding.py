@@ -62,11 +62,12 @@ class DecodeState(nnx.Module):
 
 
 def _forward(model, scratch, ids, positions, last):
-    """Run `ids` `[B, T]` at `positions` (-1: padding, not written) over the rows' pages; returns
-    the logits of each row's column `last` `[B]` and the scratch with the pages written."""
+    """Run `ids` `[B, T]` at `positions` (-1: padding, not written) over the rows' pages, as
+    the engine's steps do; returns the logits of each row's column `last` `[B]` and the scratch
+    with the pages written."""
     group = dict(input_ids=ids, positions=positions, table=_table(scratch), last=last)
-    (logits,), cache = model.forward_paged([group], {"model": scratch["model"]})
-    return logits, {**scratch, **cache}
+    (logits,), pages = loop.forward(model, [group], {"model": scratch["model"]})
+    return logits, {**scratch, **pages}
 
 
 def _table(scratch):
