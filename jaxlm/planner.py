@@ -7,6 +7,7 @@ import functools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -235,8 +236,9 @@ class Plan(Bill):
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         self._check_batch(tokens.shape[0])
         self.layout.check(scratch)
+        # One read of a replicated value: the rows' lengths may lie on other processes' devices.
         d = scratch["decode"]
-        if int(np.max(d["prompt_len"])) + int(d["index"]) >= self.max_seq_len:
+        if int(jnp.max(d["prompt_len"]) + d["index"]) >= self.max_seq_len:
             raise PlanError(f"the cache is full: `max_seq_len={self.max_seq_len}` tokens")
         scratch, logits = self.generator.decode_step(
             self.generator.params, scratch, self._pad_rows(tokens, 0)

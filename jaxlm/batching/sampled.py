@@ -88,17 +88,20 @@ def sample_drafts(logits, x, generated, row, ids, seen, counts):
     picked = {name: jax.tree.map(lambda a: a[row], x[name]) for name in _PER_ROW}
     k, v = ids.shape[0], logits.shape[-1]
 
-    # [K, V]: the drafts up to each position.
-    j = jnp.arange(k)
-    upto = (j[None, :] >= 1) & (j[None, :] <= j[:, None])
-    at = jnp.where(upto, ids[None, :], v)
-    drafted = jnp.zeros((k, v), jnp.int32).at[j[:, None], at].add(1, mode="drop")
+    def drafted():
+        # [K, V]: the drafts up to each position, built inside the penalty stages that read
+        # them, so that a chunk without penalties never fills a vocabulary-wide array.
+        j = jnp.arange(k)
+        upto = (j[None, :] >= 1) & (j[None, :] <= j[:, None])
+        at = jnp.where(upto, ids[None, :], v)
+        return jnp.zeros((k, v), jnp.int32).at[j[:, None], at].add(1, mode="drop")
+
     return sample_positions(
         logits,
         {**x, **picked},
         generated,
-        lambda: seen[None] | (drafted > 0),
-        lambda: counts[None] + drafted,
+        lambda: seen[None] | (drafted() > 0),
+        lambda: counts[None] + drafted(),
     )
 
 
